@@ -1,0 +1,18 @@
+"""dma-jax: Diagonal-Tiled Mixed-Precision Attention (arXiv 2604.03950) for JAX."""
+
+from .config import DMAConfig
+from .formats import FORMATS, Quantized, dequantize, quantize
+from .primitive import attention
+from .reference import exact_attention, reference_attention
+
+__all__ = [
+    "DMAConfig",
+    "FORMATS",
+    "Quantized",
+    "attention",
+    "dequantize",
+    "exact_attention",
+    "quantize",
+    "reference_attention",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,83 @@
+"""`DMAConfig`: which attention pairs are computed in which format."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+HIGH_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
+LOW_FORMATS = ("nvfp4", "mxfp4")
+TILE_SIZES = (128,)
+# Large enough that every pair of any realistic sequence is on the "diagonal",
+# small enough to stay an int32 in tile arithmetic.
+ALL_TILES = 2**30
+
+
+def _check_count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"DMAConfig.{name} must be an int >= 0; got {value!r}")
+
+
+def _check_choice(name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"DMAConfig.{name} must be one of {allowed}; got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DMAConfig:
+    """Configuration of Diagonal-Tiled Mixed-Precision Attention.
+
+    A query/key pair is computed in the ``high`` format when its key tile is one
+    of the first ``sink_tiles`` tiles or lies within ``diag_tiles`` tiles of the
+    query's tile (DESIGN.md §3.3); every other pair uses the ``low`` format.
+    ``diag_tiles=0, sink_tiles=0`` is all-low; a huge ``diag_tiles`` is all-high.
+
+    Attributes:
+      diag_tiles: width of the high-precision diagonal band, in tiles.
+      sink_tiles: number of leading key tiles ("attention sinks") kept high.
+      high: 8-bit format, ``"mxfp8_e4m3"`` or ``"mxfp8_e5m2"``.
+      low: 4-bit format, ``"nvfp4"`` or ``"mxfp4"``.
+      smooth_k: subtract the per-channel mean of K over the valid tokens first.
+      sm_scale: softmax scale; ``None`` means ``head_dim ** -0.5``.
+      tile_size: tokens per tile of the classification (the kernels' tile).
+    """
+
+    diag_tiles: int = 1
+    sink_tiles: int = 1
+    high: str = "mxfp8_e4m3"
+    low: str = "nvfp4"
+    smooth_k: bool = True
+    sm_scale: float | None = None
+    tile_size: int = 128
+
+    def __post_init__(self) -> None:
+        _check_count("diag_tiles", self.diag_tiles)
+        _check_count("sink_tiles", self.sink_tiles)
+        _check_choice("high", self.high, HIGH_FORMATS)
+        _check_choice("low", self.low, LOW_FORMATS)
+        _check_choice("smooth_k", self.smooth_k, (True, False))
+        _check_choice("tile_size", self.tile_size, TILE_SIZES)
+        s = self.sm_scale
+        if s is not None and (
+            isinstance(s, bool)
+            or not isinstance(s, (int, float))
+            or not math.isfinite(s)
+            or s <= 0
+        ):
+            raise ValueError(
+                f"DMAConfig.sm_scale must be None or a finite float > 0; got {s!r}"
+            )
+
+    @classmethod
+    def all_high(cls, **kwargs) -> "DMAConfig":
+        """Every pair in the high (8-bit) format."""
+        return cls(diag_tiles=ALL_TILES, **kwargs)
+
+    @classmethod
+    def all_low(cls, **kwargs) -> "DMAConfig":
+        """Every pair in the low (4-bit) format."""
+        return cls(diag_tiles=0, sink_tiles=0, **kwargs)
+
+    def softmax_scale(self, head_dim: int) -> float:
+        """The softmax scale for ``head_dim`` (``sm_scale`` or ``head_dim**-0.5``)."""
+        return float(self.sm_scale) if self.sm_scale is not None else head_dim**-0.5

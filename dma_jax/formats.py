@@ -1,0 +1,236 @@
+"""Microscaling (MX) and NVFP4 quantization in jnp, exactly as DESIGN.md §3.1.
+
+Every format quantizes along the last axis (head_dim) in blocks:
+
+* ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp4``: blocks of 32 elements share one
+  E8M0 (power-of-two) scale ``2^(floor(log2(amax)) - emax_elem)``.
+* ``nvfp4``: a float32 scale per token ``s2 = amax_token / 2688``, then blocks of
+  16 elements share an E4M3 scale ``RTNE(amax_block / (6 * s2))``.
+
+Elements are rounded to nearest, ties to even, and saturate at the element
+format's largest finite value. The rounding is written with float32 arithmetic
+and integer bit manipulation only (no float8 casts of unrepresentable values),
+so that the Triton kernel can reproduce it bit for bit.
+
+Conventions beyond the OCP text, shared with the kernels:
+
+* float32 subnormal inputs (``|x| < 2^-126``) are treated as signed zeros: XLA's
+  CPU backend flushes them anyway, so we flush them explicitly everywhere.
+* A block whose amax is zero gets the smallest scale (E8M0 byte 0; an NVFP4
+  block scale of 0) and all-zero elements.
+* A block that holds NaN or ±Inf gets the E8M0 NaN scale byte ``0xFF`` (MX) or a
+  NaN per-token scale (NVFP4), and zero element codes, so that dequantizing
+  gives NaN for the block instead of a silently saturated value.
+* E2M1 codes are packed two per byte, element ``2t`` in the low nibble.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["FORMATS", "Format", "Quantized", "get_format", "quantize", "dequantize"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A block-scaled number format."""
+
+    name: str
+    exp_bits: int  # element exponent bits
+    man_bits: int  # element mantissa bits
+    emin: int  # element exponent of the smallest normal value
+    emax: int  # element exponent of the largest normal value (OCP "emax_elem")
+    max_value: float  # largest finite element value (saturation bound)
+    block: int  # elements per block along head_dim
+    scale: str  # "e8m0" (MX) or "e4m3_fp32" (NVFP4's two-level scale)
+
+    @property
+    def packed(self) -> bool:
+        """True for 4-bit elements, stored two per byte."""
+        return self.exp_bits + self.man_bits + 1 == 4
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("mxfp8_e4m3", 4, 3, -6, 8, 448.0, 32, "e8m0"),
+        Format("mxfp8_e5m2", 5, 2, -14, 15, 57344.0, 32, "e8m0"),
+        Format("mxfp4", 2, 1, 0, 2, 6.0, 32, "e8m0"),
+        Format("nvfp4", 2, 1, 0, 2, 6.0, 16, "e4m3_fp32"),
+    )
+}
+
+_E4M3 = FORMATS["mxfp8_e4m3"]
+# NVFP4's per-token scale maps the token amax onto (E2M1 max) x (E4M3 max).
+NVFP4_TOKEN_DIVISOR = 6.0 * 448.0
+_MIN_NORMAL_F32 = np.float32(2.0**-126)
+
+
+class Quantized(NamedTuple):
+    """Codes and scales of one quantized tensor ``x`` of shape ``[..., D]``.
+
+    codes: uint8 ``[..., D]`` (8-bit formats) or ``[..., D // 2]`` (4-bit, packed).
+    scales: uint8 ``[..., D // block]``: E8M0 bytes (MX) or E4M3 bytes (NVFP4).
+    token_scale: float32 ``[...]`` for NVFP4, ``None`` for MX formats.
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    token_scale: jax.Array | None
+
+
+def get_format(name: str) -> Format:
+    """Look a format up by name, with an error that lists the known names."""
+    try:
+        return FORMATS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown format {name!r}; expected one of {sorted(FORMATS)}"
+        ) from None
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """Exact float32 ``2**e`` for integer ``e`` in the normal range [-126, 127]."""
+    return jax.lax.bitcast_convert_type(
+        ((e.astype(jnp.int32) + 127) << 23).astype(jnp.uint32), jnp.float32
+    )
+
+
+def _exponent(a: jax.Array) -> jax.Array:
+    """``floor(log2(a))`` for normal positive float32 ``a``; -127 for zero."""
+    bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    return ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
+
+
+def flush_subnormals(x: jax.Array) -> jax.Array:
+    """Replace float32 subnormals by zeros of the same sign."""
+    return jnp.where(jnp.abs(x) < _MIN_NORMAL_F32, jnp.copysign(0.0, x), x)
+
+
+def round_to_element(v: jax.Array, fmt: Format) -> jax.Array:
+    """Round finite float32 ``v`` to the nearest ``fmt`` element value (ties to
+    even), saturating at ``±fmt.max_value``. Returns float32."""
+    v = jnp.clip(v, -fmt.max_value, fmt.max_value)
+    exp = jnp.maximum(_exponent(jnp.abs(v)), fmt.emin)
+    quantum = _pow2(exp - fmt.man_bits)
+    # v / quantum is exact (a power-of-two scaling); jnp.round is half-to-even.
+    return jnp.round(v / quantum) * quantum
+
+
+def _element_codes(r: jax.Array, fmt: Format) -> jax.Array:
+    """Bit patterns (uint8, one per element) of exactly representable values."""
+    if not fmt.packed:
+        dtype = jnp.float8_e4m3fn if fmt.exp_bits == 4 else jnp.float8_e5m2
+        return jax.lax.bitcast_convert_type(r.astype(dtype), jnp.uint8)
+    mag = jnp.abs(r)
+    # E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 have codes 0..7:
+    # code = 2 * mag below 1 (subnormals), else (exponent + 1) * 2 + mantissa bit.
+    exp = jnp.maximum(_exponent(mag), 0)
+    normal = (exp + 1) * 2 + (mag / _pow2(exp) - 1.0 >= 0.5).astype(jnp.int32)
+    code = jnp.where(mag < 1.0, (mag * 2).astype(jnp.int32), normal)
+    return (code | (jnp.signbit(r).astype(jnp.int32) << 3)).astype(jnp.uint8)
+
+
+def _element_values(codes: jax.Array, fmt: Format) -> jax.Array:
+    """Float32 values of unpacked element codes."""
+    if not fmt.packed:
+        dtype = jnp.float8_e4m3fn if fmt.exp_bits == 4 else jnp.float8_e5m2
+        return jax.lax.bitcast_convert_type(codes, dtype).astype(jnp.float32)
+    table = jnp.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], jnp.float32)
+    mag = table[(codes & 7).astype(jnp.int32)]
+    return jnp.where((codes & 8) != 0, -mag, mag)
+
+
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+    """Pack 4-bit codes ``[..., D]`` into bytes ``[..., D // 2]``, low nibble first."""
+    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(jnp.uint8)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """Inverse of :func:`pack_nibbles`."""
+    pairs = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return pairs.reshape(*packed.shape[:-1], -1).astype(jnp.uint8)
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _quantize_mx(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
+    xb = _blocks(x, fmt.block)
+    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    finite = jnp.isfinite(amax)
+    e = jnp.clip(_exponent(jnp.where(finite, amax, 0.0)) - fmt.emax, -127, 127)
+    # Multiply by 2^-e instead of dividing by 2^e: 2^-127 is a float32 subnormal,
+    # while -e lies in [-125, 127] and 2^-e is always normal. Both are exact.
+    r = round_to_element(jnp.where(finite, xb * _pow2(-e), 0.0), fmt)
+    codes = _element_codes(r, fmt)
+    scales = jnp.where(finite, e + 127, 255).astype(jnp.uint8)[..., 0]
+    return codes.reshape(x.shape), scales
+
+
+def _quantize_nvfp4(
+    x: jax.Array, fmt: Format
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    amax_token = jnp.max(jnp.abs(x), axis=-1)
+    s2 = amax_token / jnp.float32(NVFP4_TOKEN_DIVISOR)
+    s2 = jnp.where(s2 == 0, jnp.float32(1.0), s2)
+    xb = _blocks(x, fmt.block) / s2[..., None, None]
+    amax_block = jnp.max(jnp.abs(_blocks(x, fmt.block)), axis=-1, keepdims=True)
+    sb_f = amax_block / (jnp.float32(6.0) * s2[..., None, None])
+    finite = jnp.isfinite(sb_f)
+    sb = round_to_element(jnp.where(finite, sb_f, 0.0), _E4M3)
+    # The elements are encoded with the rounded block scale, as they are decoded.
+    usable = finite & (sb > 0)
+    v = jnp.where(usable, xb / jnp.where(usable, sb, 1.0), 0.0)
+    r = round_to_element(jnp.where(jnp.isfinite(v), v, 0.0), fmt)
+    codes = _element_codes(r, fmt).reshape(x.shape)
+    sb_codes = jnp.where(finite, _element_codes(sb, _E4M3), 0x7F)[..., 0]
+    return codes, sb_codes, s2
+
+
+def quantize(x: jax.Array, fmt: str) -> Quantized:
+    """Quantize ``x`` (``[..., D]``, any float dtype) along its last axis.
+
+    ``D`` must be a multiple of the format's block size (32 for MX, 16 for NVFP4).
+    Returns :class:`Quantized` (uint8 codes, uint8 block scales and, for NVFP4,
+    the float32 per-token scale).
+    """
+    f = get_format(fmt)
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"quantize expects a floating-point array; got {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] % f.block:
+        raise ValueError(
+            f"{f.name} quantizes the last axis in blocks of {f.block}; "
+            f"got shape {x.shape}"
+        )
+    x = flush_subnormals(x.astype(jnp.float32))
+    if f.scale == "e8m0":
+        codes, scales = _quantize_mx(x, f)
+        token_scale = None
+    else:
+        codes, scales, token_scale = _quantize_nvfp4(x, f)
+    if f.packed:
+        codes = pack_nibbles(codes)
+    return Quantized(codes, scales, token_scale)
+
+
+def dequantize(q: Quantized, fmt: str) -> jax.Array:
+    """Float32 values of a :class:`Quantized` tensor, ``[..., D]``."""
+    f = get_format(fmt)
+    codes = unpack_nibbles(q.codes) if f.packed else q.codes
+    values = _blocks(_element_values(codes, f), f.block)
+    if f.scale == "e8m0":
+        scale = jax.lax.bitcast_convert_type(q.scales, jnp.float8_e8m0fnu)
+        out = values * scale.astype(jnp.float32)[..., None]
+    else:
+        sb = _element_values(q.scales, _E4M3)[..., None]
+        out = (values * sb) * q.token_scale[..., None, None]
+    return out.reshape(*out.shape[:-2], -1)

@@ -1,0 +1,212 @@
+"""The jnp oracle of DMA (DESIGN.md §3.2-3.4) and exact float32 attention.
+
+Both work on query chunks under ``lax.map`` so that memory stays bounded by one
+chunk's score matrix (``batch * q_heads * chunk * kv_len`` floats), whatever
+``q_len`` is: q_len = kv_len = 8192 with 32 heads fits a 24 GB machine.
+GQA/MQA groups query heads over their shared kv head inside the einsum, so K
+and V are never repeated per query head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import DMAConfig
+from .formats import dequantize, quantize
+from .validation import check_attention_inputs, resolve_q_offset
+
+__all__ = ["reference_attention", "exact_attention", "pair_is_high"]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+# Target size of one chunk's score matrix, in float32 elements (128 MiB).
+_CHUNK_SCORES = 2**25
+
+
+def pair_is_high(
+    q_pos: jax.Array, k_pos: jax.Array, *, causal: bool, config: DMAConfig
+) -> jax.Array:
+    """True where the (query position, key position) pair uses the high format.
+
+    Positions broadcast against each other; the causal mask is applied elsewhere.
+    """
+    t = config.tile_size
+    tq, tk = q_pos // t, k_pos // t
+    near = (tq - tk) if causal else jnp.abs(tq - tk)
+    return (tk < config.sink_tiles) | (near < config.diag_tiles)
+
+
+def _uniform_precision(
+    config: DMAConfig, causal: bool, q_len: int, kv_len: int, q_offset: int
+) -> str | None:
+    """``"high"``/``"low"`` when every pair uses one format, else ``None``."""
+    if config.diag_tiles == 0 and config.sink_tiles == 0:
+        return "low"
+    first = min(0, q_offset)
+    last = max(kv_len - 1, q_offset + q_len - 1)
+    if config.diag_tiles > (last - first) // config.tile_size + 1:
+        return "high"
+    return None
+
+
+def _chunk_size(batch: int, heads: int, q_len: int, kv_len: int) -> int:
+    size = _CHUNK_SCORES // max(1, batch * heads * kv_len)
+    size = 1 << max(4, min(9, size.bit_length() - 1))
+    return min(size, 1 << max(0, (q_len - 1).bit_length()))
+
+
+def _attend(
+    q_hi: jax.Array,
+    q_lo: jax.Array | None,
+    k_hi: jax.Array,
+    k_lo: jax.Array | None,
+    v: jax.Array,
+    *,
+    causal: bool,
+    q_offset: int,
+    high_fn,
+    p_dtype,
+) -> jax.Array:
+    """Base-2 softmax attention on prepared float32 operands, chunked over queries.
+
+    ``q_*: [B, Lq, Hq, D]`` already carry the softmax scale times log2(e);
+    ``k_*, v: [B, Lk, Hkv, D]``. When ``q_lo`` is given, ``high_fn(q_pos, k_pos)``
+    picks per pair between the ``*_hi`` and ``*_lo`` scores. P is rounded to
+    ``p_dtype`` before P·V; the normaliser uses the unrounded fp32 P.
+    Returns float32 ``[B, Lq, Hq, D]``.
+    """
+    batch, q_len, q_heads, dim = q_hi.shape
+    kv_len, kv_heads = k_hi.shape[1], k_hi.shape[2]
+    groups = q_heads // kv_heads
+    chunk = _chunk_size(batch, q_heads, q_len, kv_len)
+    n_chunks = -(-q_len // chunk)
+
+    def split(x):
+        x = jnp.pad(x, ((0, 0), (0, n_chunks * chunk - q_len), (0, 0), (0, 0)))
+        x = x.reshape(batch, n_chunks, chunk, kv_heads, groups, dim)
+        return jnp.moveaxis(x, 1, 0)
+
+    def scores(qc, kk):
+        return jnp.einsum("bqhgd,bkhd->bhgqk", qc, kk, precision=_HIGHEST)
+
+    k_pos = jnp.arange(kv_len)
+
+    def one_chunk(args):
+        start, qh, ql = args
+        q_pos = (q_offset + start + jnp.arange(chunk))[:, None]
+        s = scores(qh, k_hi)
+        if ql is not None:
+            s = jnp.where(high_fn(q_pos, k_pos[None, :]), s, scores(ql, k_lo))
+        if causal:
+            s = jnp.where(k_pos[None, :] <= q_pos, s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        # A row without any valid key has m = -inf: keep P = 0 there, not NaN.
+        p = jnp.exp2(s - jnp.where(m == -jnp.inf, 0.0, m))
+        l = jnp.sum(p, axis=-1)
+        p = p.astype(p_dtype).astype(jnp.float32)
+        o = jnp.einsum("bhgqk,bkhd->bhgqd", p, v, precision=_HIGHEST)
+        o = jnp.where(l[..., None] == 0, 0.0, o / l[..., None])
+        return jnp.moveaxis(o, (1, 2), (2, 3))  # [B, chunk, Hkv, G, D]
+
+    starts = jnp.arange(n_chunks) * chunk
+    q_lo_chunks = None if q_lo is None else split(q_lo)
+    out = jax.lax.map(one_chunk, (starts, split(q_hi), q_lo_chunks))
+    out = jnp.moveaxis(out, 0, 1).reshape(batch, n_chunks * chunk, q_heads, dim)
+    return out[:, :q_len]
+
+
+def _dequantized(x: jax.Array, fmt: str) -> jax.Array:
+    return dequantize(quantize(x, fmt), fmt)
+
+
+def dma_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool,
+    config: DMAConfig,
+    q_offset: int,
+) -> jax.Array:
+    """DMA on validated inputs with a resolved ``q_offset`` (the primitive's body)."""
+    q_len, kv_len, dim = q.shape[1], k.shape[1], q.shape[3]
+    k32 = k.astype(jnp.float32)
+    if config.smooth_k:
+        k32 = k32 - jnp.mean(k32, axis=1, keepdims=True)
+    fold = np.float32(config.softmax_scale(dim) * math.log2(math.e))
+    q32 = q.astype(jnp.float32) * fold
+
+    uniform = _uniform_precision(config, causal, q_len, kv_len, q_offset)
+    if uniform is None:
+        q_hi, k_hi = _dequantized(q32, config.high), _dequantized(k32, config.high)
+        q_lo, k_lo = _dequantized(q32, config.low), _dequantized(k32, config.low)
+    else:
+        fmt = config.high if uniform == "high" else config.low
+        q_hi, k_hi = _dequantized(q32, fmt), _dequantized(k32, fmt)
+        q_lo = k_lo = None
+
+    def high_fn(q_pos, k_pos):
+        return pair_is_high(q_pos, k_pos, causal=causal, config=config)
+
+    out = _attend(
+        q_hi, q_lo, k_hi, k_lo, v.astype(jnp.float32),
+        causal=causal, q_offset=q_offset, high_fn=high_fn, p_dtype=q.dtype,
+    )
+    return out.astype(q.dtype)
+
+
+def reference_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    config: DMAConfig | None = None,
+    q_offset: int | None = None,
+) -> jax.Array:
+    """DMA attention in plain jnp: the numerical oracle of every backend.
+
+    Args:
+      q: ``[batch, q_len, q_heads, head_dim]``, bf16/fp16/fp32.
+      k, v: ``[batch, kv_len, kv_heads, head_dim]``, same dtype.
+      causal: mask keys after each query's position.
+      config: :class:`DMAConfig` (default ``DMAConfig()``).
+      q_offset: absolute position of query row 0; default ``kv_len - q_len``.
+
+    Returns:
+      ``[batch, q_len, q_heads, head_dim]`` in the input dtype.
+    """
+    check_attention_inputs(q, k, v, causal=causal, config=config, q_offset=q_offset)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    offset = resolve_q_offset(q.shape[1], k.shape[1], q_offset)
+    return dma_reference(
+        q, k, v, causal=causal, config=config or DMAConfig(), q_offset=offset
+    )
+
+
+def exact_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    q_offset: int | None = None,
+) -> jax.Array:
+    """Unquantized attention in float32 (fp32 P, no smoothing) for error measurement.
+
+    Same layout, masking and ``q_offset`` convention as :func:`reference_attention`.
+    Returns float32.
+    """
+    check_attention_inputs(q, k, v, causal=causal, config=None, q_offset=q_offset)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    offset = resolve_q_offset(q.shape[1], k.shape[1], q_offset)
+    scale = sm_scale if sm_scale is not None else q.shape[3] ** -0.5
+    q32 = q.astype(jnp.float32) * np.float32(scale * math.log2(math.e))
+    return _attend(
+        q32, None, k.astype(jnp.float32), None, v.astype(jnp.float32),
+        causal=causal, q_offset=offset, high_fn=None, p_dtype=jnp.float32,
+    )

@@ -1,0 +1,81 @@
+"""Input checks shared by every public attention entry point."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .config import DMAConfig
+
+SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def check_attention_inputs(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool,
+    config: DMAConfig | None,
+    q_offset: int | None,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` describing the first problem found.
+
+    Expects ``q: [batch, q_len, q_heads, head_dim]`` and
+    ``k, v: [batch, kv_len, kv_heads, head_dim]`` of one floating dtype.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array; got {type(x).__name__}")
+        if len(x.shape) != 4:
+            raise ValueError(
+                f"{name} must have rank 4 [batch, seq_len, heads, head_dim]; "
+                f"got shape {tuple(x.shape)}"
+            )
+        if np.dtype(x.dtype).name not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} must have dtype in {SUPPORTED_DTYPES}; got {np.dtype(x.dtype).name}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(
+            f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_batch, kv_len, kv_heads, kv_head_dim = k.shape
+    if batch != kv_batch:
+        raise ValueError(f"batch size of q ({batch}) and k/v ({kv_batch}) differ")
+    if head_dim != kv_head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and k/v ({kv_head_dim}) differ")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim must be one of {SUPPORTED_HEAD_DIMS}; got {head_dim}"
+        )
+    if q_heads % kv_heads:
+        raise ValueError(
+            f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads}) for GQA/MQA"
+        )
+    if q_len < 1 or kv_len < 1:
+        raise ValueError(f"q_len and kv_len must be >= 1; got {q_len} and {kv_len}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    if config is not None and not isinstance(config, DMAConfig):
+        raise TypeError(f"config must be a DMAConfig or None; got {type(config).__name__}")
+    if q_offset is None:
+        if causal and q_len > kv_len:
+            raise ValueError(
+                f"causal attention with q_len ({q_len}) > kv_len ({kv_len}) needs an "
+                "explicit q_offset (by default the queries are the last q_len tokens)"
+            )
+    elif isinstance(q_offset, bool) or not isinstance(q_offset, (int, np.integer)):
+        raise TypeError(f"q_offset must be a Python int or None; got {q_offset!r}")
+
+
+def resolve_q_offset(q_len: int, kv_len: int, q_offset: int | None) -> int:
+    """Absolute position of query row 0 (default: the queries are the last tokens)."""
+    return kv_len - q_len if q_offset is None else int(q_offset)
