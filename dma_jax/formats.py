@@ -27,6 +27,7 @@ Conventions beyond the OCP text, shared with the kernels:
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -107,6 +108,18 @@ def _exponent(a: jax.Array) -> jax.Array:
     return ((bits >> 23) & 0xFF).astype(jnp.int32) - 127
 
 
+def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Correctly rounded float32 ``a / b`` with numpy broadcasting.
+
+    XLA rewrites a division by a broadcast (or constant) divisor into a
+    multiplication by its reciprocal, which is off by one ulp for some inputs.
+    Broadcasting first and hiding the divisor behind an optimization barrier
+    keeps a true division, so codes match the kernels and numpy bit for bit.
+    """
+    a, b = jnp.broadcast_arrays(a, b)
+    return a / jax.lax.optimization_barrier(b)
+
+
 def flush_subnormals(x: jax.Array) -> jax.Array:
     """Replace float32 subnormals by zeros of the same sign."""
     return jnp.where(jnp.abs(x) < _MIN_NORMAL_F32, jnp.copysign(0.0, x), x)
@@ -179,20 +192,23 @@ def _quantize_nvfp4(
     x: jax.Array, fmt: Format
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     amax_token = jnp.max(jnp.abs(x), axis=-1)
-    s2 = amax_token / jnp.float32(NVFP4_TOKEN_DIVISOR)
-    s2 = jnp.where(s2 == 0, jnp.float32(1.0), s2)
-    xb = _blocks(x, fmt.block) / s2[..., None, None]
-    amax_block = jnp.max(jnp.abs(_blocks(x, fmt.block)), axis=-1, keepdims=True)
-    sb_f = amax_block / (jnp.float32(6.0) * s2[..., None, None])
+    s2 = div_rn(amax_token, jnp.float32(NVFP4_TOKEN_DIVISOR))
+    s2 = jnp.where(s2 == 0, jnp.float32(1.0), s2)[..., None, None]
+    xb = _blocks(x, fmt.block)
+    amax_block = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    sb_f = div_rn(amax_block, jnp.float32(6.0) * s2)
     finite = jnp.isfinite(sb_f)
     sb = round_to_element(jnp.where(finite, sb_f, 0.0), _E4M3)
     # The elements are encoded with the rounded block scale, as they are decoded.
     usable = finite & (sb > 0)
-    v = jnp.where(usable, xb / jnp.where(usable, sb, 1.0), 0.0)
+    # A block with a zero scale encodes signed zeros, like any element that rounds to 0.
+    v = jnp.where(
+        usable, div_rn(div_rn(xb, s2), jnp.where(usable, sb, 1.0)), jnp.copysign(0.0, xb)
+    )
     r = round_to_element(jnp.where(jnp.isfinite(v), v, 0.0), fmt)
     codes = _element_codes(r, fmt).reshape(x.shape)
     sb_codes = jnp.where(finite, _element_codes(sb, _E4M3), 0x7F)[..., 0]
-    return codes, sb_codes, s2
+    return codes, sb_codes, s2[..., 0, 0]
 
 
 def quantize(x: jax.Array, fmt: str) -> Quantized:
@@ -211,6 +227,11 @@ def quantize(x: jax.Array, fmt: str) -> Quantized:
             f"{f.name} quantizes the last axis in blocks of {f.block}; "
             f"got shape {x.shape}"
         )
+    return _quantize(x, f)
+
+
+@partial(jax.jit, static_argnums=1)
+def _quantize(x: jax.Array, f: Format) -> Quantized:
     x = flush_subnormals(x.astype(jnp.float32))
     if f.scale == "e8m0":
         codes, scales = _quantize_mx(x, f)
@@ -224,7 +245,11 @@ def quantize(x: jax.Array, fmt: str) -> Quantized:
 
 def dequantize(q: Quantized, fmt: str) -> jax.Array:
     """Float32 values of a :class:`Quantized` tensor, ``[..., D]``."""
-    f = get_format(fmt)
+    return _dequantize(q, get_format(fmt))
+
+
+@partial(jax.jit, static_argnums=1)
+def _dequantize(q: Quantized, f: Format) -> jax.Array:
     codes = unpack_nibbles(q.codes) if f.packed else q.codes
     values = _blocks(_element_values(codes, f), f.block)
     if f.scale == "e8m0":

@@ -1,0 +1,131 @@
+"""Independent oracles: numpy + ml_dtypes quantization and float64 DMA attention.
+
+Written from DESIGN.md §3 without reusing dma_jax code: element rounding is
+ml_dtypes' own cast (round-to-nearest-even), the scale exponent comes from
+np.frexp, and attention runs in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+ELEMENT = {
+    "mxfp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0, 8, 32),
+    "mxfp8_e5m2": (ml_dtypes.float8_e5m2, 57344.0, 15, 32),
+    "mxfp4": (ml_dtypes.float4_e2m1fn, 6.0, 2, 32),
+    "nvfp4": (ml_dtypes.float4_e2m1fn, 6.0, 2, 16),
+}
+
+
+def _flush(x):
+    x = np.asarray(x, np.float32)
+    return np.where(np.abs(x) < np.float32(2.0**-126), np.copysign(np.float32(0), x), x)
+
+
+def _cast(values, dtype, vmax):
+    """ml_dtypes RTNE cast after saturation; returns (codes uint8, float64 values)."""
+    e = np.clip(values, -vmax, vmax).astype(np.float32).astype(dtype)
+    return e.view(np.uint8) & (0xF if dtype == ml_dtypes.float4_e2m1fn else 0xFF), e.astype(np.float64)
+
+
+def pack(codes):
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def quantize(x, fmt):
+    """Return (codes, scales, token_scale or None, dequantized float64)."""
+    dtype, vmax, emax, block = ELEMENT[fmt]
+    x = _flush(x)
+    xb = x.reshape(*x.shape[:-1], -1, block)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        if fmt != "nvfp4":
+            amax = np.abs(xb).max(-1, keepdims=True)
+            finite = np.isfinite(amax)
+            _, ex = np.frexp(np.where(finite, amax, 0))
+            e = np.where(amax > 0, ex - 1, -127) - emax
+            e = np.clip(e, -127, 127)
+            scaled = np.where(finite, xb.astype(np.float64) / 2.0**e, 0)
+            codes, vals = _cast(scaled, dtype, vmax)
+            scales = np.where(finite, e + 127, 255).astype(np.uint8)[..., 0]
+            scale_vals = np.where(finite, 2.0**e, np.nan)
+            deq = vals * scale_vals
+            token = None
+        else:
+            amax_t = np.abs(x).max(-1)
+            s2 = (amax_t / np.float32(2688)).astype(np.float32)
+            s2 = np.where(s2 == 0, np.float32(1), s2).astype(np.float32)
+            s2b = s2[..., None, None]
+            amax_b = np.abs(xb).max(-1, keepdims=True)
+            sb_f = (amax_b / (np.float32(6) * s2b)).astype(np.float32)
+            finite = np.isfinite(sb_f)
+            sb_codes, sb = _cast(np.where(finite, sb_f, 0), ml_dtypes.float8_e4m3fn, 448.0)
+            v = ((xb / s2b) / sb.astype(np.float32)).astype(np.float32)
+            v = np.where(finite & (sb > 0), v, np.copysign(np.float32(0), xb))
+            v = np.where(np.isfinite(v), v, 0)
+            codes, vals = _cast(v, dtype, vmax)
+            scales = np.where(finite, sb_codes, 0x7F).astype(np.uint8)[..., 0]
+            # Dequantize as DESIGN.md says, (e * sb) * s2, in float32 (e * sb is exact).
+            deq = (vals * np.where(finite, sb, np.nan)).astype(np.float32) * s2b
+            token = s2
+    codes = codes.reshape(x.shape)
+    if dtype == ml_dtypes.float4_e2m1fn:
+        codes = pack(codes)
+    return codes, scales, token, deq.reshape(x.shape)
+
+
+def is_high(p, t, causal, diag, sink, tile=128):
+    tq, tk = p // tile, t // tile
+    near = (tq - tk) if causal else np.abs(tq - tk)
+    return (tk < sink) | (near < diag)
+
+
+def dma_attention(q, k, v, *, causal=True, diag=1, sink=1, high="mxfp8_e4m3",
+                  low="nvfp4", smooth_k=True, sm_scale=None, q_offset=None,
+                  p_dtype=None):
+    """Float64 DMA per DESIGN.md §3.2-3.4; ``diag=None`` means exact (no quantization)."""
+    q32, k32, v64 = (np.asarray(a, np.float32) for a in (q, k, v))
+    v64 = v64.astype(np.float64)
+    b, lq, hq, d = q32.shape
+    lk, hkv = k32.shape[1], k32.shape[2]
+    g = hq // hkv
+    off = lk - lq if q_offset is None else q_offset
+    scale = d**-0.5 if sm_scale is None else sm_scale
+    if diag is None:
+        qf = q32.astype(np.float64) * scale * math.log2(math.e)
+        kf = k32.astype(np.float64)
+        s = np.einsum("bqhgd,bkhd->bhgqk", qf.reshape(b, lq, hkv, g, d), kf)
+    else:
+        if smooth_k:
+            k32 = (k32 - k32.mean(axis=1, keepdims=True, dtype=np.float32)).astype(np.float32)
+        qs = (q32 * np.float32(scale * math.log2(math.e))).astype(np.float32)
+        parts = {}
+        for fmt in (high, low):
+            dq = quantize(qs, fmt)[3].reshape(b, lq, hkv, g, d)
+            dk = quantize(k32, fmt)[3]
+            parts[fmt] = np.einsum("bqhgd,bkhd->bhgqk", dq, dk)
+        p = (off + np.arange(lq))[:, None]
+        t = np.arange(lk)[None, :]
+        s = np.where(is_high(p, t, causal, diag, sink), parts[high], parts[low])
+    p = (off + np.arange(lq))[:, None]
+    t = np.arange(lk)[None, :]
+    if causal:
+        s = np.where(t <= p, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        pr = np.exp2(s - np.where(m == -np.inf, 0, m))
+    l = pr.sum(-1, keepdims=True)
+    if p_dtype is not None:
+        pr = pr.astype(np.float32).astype(p_dtype).astype(np.float64)
+    o = np.einsum("bhgqk,bkhd->bhgqd", pr, v64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        o = np.where(l == 0, 0, o / l)
+    return np.moveaxis(o, 3, 1).reshape(b, lq, hq, d)
+
+
+def rel_l2(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

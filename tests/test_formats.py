@@ -1,0 +1,181 @@
+"""dma_jax.formats against the numpy + ml_dtypes oracle, element by element."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from dma_jax import FORMATS, dequantize, quantize
+from dma_jax.formats import get_format, pack_nibbles, unpack_nibbles
+
+import oracle
+
+ALL = sorted(FORMATS)
+
+
+def check_against_oracle(x, fmt):
+    codes, scales, token, deq = oracle.quantize(x, fmt)
+    got = quantize(jnp.asarray(x), fmt)
+    np.testing.assert_array_equal(np.asarray(got.codes), codes)
+    np.testing.assert_array_equal(np.asarray(got.scales), scales)
+    if token is None:
+        assert got.token_scale is None
+    else:
+        np.testing.assert_array_equal(np.asarray(got.token_scale), token)
+    np.testing.assert_array_equal(np.asarray(dequantize(got, fmt), np.float64), deq)
+
+
+def grid(block, values):
+    """Rows of one block each: a leading anchor that fixes the scale, then values."""
+    values = np.asarray(values, np.float32)
+    n = block - 1
+    rows = [values[i:i + n] for i in range(0, len(values), n)]
+    rows[-1] = np.pad(rows[-1], (0, n - len(rows[-1])))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_random_normal_matches_oracle(fmt):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((7, 5, 128)).astype(np.float32) * rng.uniform(1e-3, 1e3, (7, 5, 1))
+    check_against_oracle(x.astype(np.float32), fmt)
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_outliers_and_bf16_inputs(fmt):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 64)).astype(np.float32)
+    x[:, [3, 17, 40]] *= 300.0
+    xb = x.astype(ml_dtypes.bfloat16)
+    codes, scales, token, deq = oracle.quantize(xb.astype(np.float32), fmt)
+    got = quantize(jnp.asarray(xb), fmt)
+    np.testing.assert_array_equal(np.asarray(got.codes), codes)
+    np.testing.assert_array_equal(np.asarray(got.scales), scales)
+    np.testing.assert_array_equal(np.asarray(dequantize(got, fmt), np.float64), deq)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])
+def test_every_element_value_ties_and_subnormals(fmt):
+    """Scale 1 blocks (anchor = element max), then every representable value,
+    every midpoint between neighbours (ties) and points just off the midpoints.
+    (NVFP4 scales per token: see test_nvfp4_ties_with_unit_scales.)"""
+    dtype, vmax, _, block = oracle.ELEMENT[fmt]
+    reps = np.unique(np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+                     if dtype != ml_dtypes.float4_e2m1fn
+                     else np.arange(16, dtype=np.uint8).view(dtype).astype(np.float32))
+    reps = reps[np.isfinite(reps) & (reps >= 0)]
+    mids = (reps[:-1] + reps[1:]) / 2
+    vals = np.concatenate([reps, mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf)])
+    vals = np.concatenate([vals, -vals])
+    body = grid(block, vals)
+    x = np.concatenate([np.full((len(body), 1), vmax, np.float32), body], axis=1)
+    check_against_oracle(x, fmt)
+    # Scale 1 really holds: codes decode to the values themselves on the grid.
+    got = dequantize(quantize(jnp.asarray(x), fmt), fmt)
+    np.testing.assert_array_equal(np.asarray(got)[:, 0], vmax)
+
+
+def test_nvfp4_ties_with_unit_scales():
+    """Tokens whose amax is 2688 give s2 = 1; blocks whose amax is 6 give sb = 1."""
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -5.0, 5.5, -2.9],
+                    np.float32)
+    x = np.zeros((1, 64), np.float32)
+    x[0, 0] = 2688.0
+    x[0, 16] = 6.0
+    x[0, 17:17 + len(ties)] = ties
+    check_against_oracle(x, "nvfp4")
+    q = quantize(jnp.asarray(x), "nvfp4")
+    assert float(q.token_scale[0]) == 1.0
+    expected = np.clip(ties, -6, 6).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(dequantize(q, "nvfp4"))[0, 17:17 + len(ties)],
+                                  expected)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3"])
+def test_mx_block_max_saturates(fmt):
+    """OCP's scale rule can map a block max above the element max: it saturates."""
+    vmax = oracle.ELEMENT[fmt][1]
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = 7.0 if fmt == "mxfp4" else 500.0
+    x[0, 1] = -x[0, 0]
+    deq = np.asarray(dequantize(quantize(jnp.asarray(x), fmt), fmt))
+    assert deq[0, 0] == vmax and deq[0, 1] == -vmax
+    check_against_oracle(x, fmt)
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_zero_blocks_negative_zero_and_tiny(fmt):
+    block = get_format(fmt).block
+    x = np.zeros((4, 2 * block), np.float32)
+    x[1, :] = -0.0
+    x[2, 0] = 1.0
+    x[2, 1] = -1e-9  # rounds to a negative zero element
+    x[3, :] = 1e-40  # float32 subnormals are flushed to zero
+    q = quantize(jnp.asarray(x), fmt)
+    deq = np.asarray(dequantize(q, fmt))
+    assert not np.isnan(deq).any()
+    assert (deq[[0, 1, 3]] == 0).all()
+    assert np.signbit(deq[1]).all(), "negative zeros keep their sign"
+    if get_format(fmt).scale == "e8m0":
+        assert (np.asarray(q.scales)[0] == 0).all(), "zero blocks get the smallest scale"
+    check_against_oracle(x, fmt)
+
+
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_and_inf_propagate(fmt, bad):
+    f = get_format(fmt)
+    x = np.ones((2, 64), np.float32)
+    x[0, 5] = bad
+    q = quantize(jnp.asarray(x), fmt)
+    deq = np.asarray(dequantize(q, fmt))
+    assert np.isnan(deq[0, :f.block]).all(), "the block holding NaN/Inf decodes to NaN"
+    np.testing.assert_array_equal(deq[1], 1.0)
+    if f.scale == "e8m0":
+        assert np.asarray(q.scales)[0, 0] == 0xFF
+        np.testing.assert_array_equal(deq[0, f.block:], 1.0)
+    check_against_oracle(x, fmt)
+
+
+def test_e2m1_packing_order():
+    x = np.zeros((1, 32), np.float32)
+    x[0, :4] = [6.0, 0.5, -1.0, 3.0]  # codes 7, 1, 0xA, 5
+    codes = np.asarray(quantize(jnp.asarray(x), "mxfp4").codes)
+    assert codes.shape == (1, 16)
+    assert codes[0, 0] == 0x17 and codes[0, 1] == 0x5A
+    np.testing.assert_array_equal(np.asarray(unpack_nibbles(pack_nibbles(jnp.arange(16, dtype=jnp.uint8).reshape(2, 8)))),
+                                  np.arange(16).reshape(2, 8))
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_shapes_and_dtypes(fmt):
+    f = get_format(fmt)
+    q = quantize(jnp.ones((2, 3, 128), jnp.bfloat16), fmt)
+    assert q.codes.dtype == jnp.uint8 and q.scales.dtype == jnp.uint8
+    assert q.codes.shape == (2, 3, 64 if f.packed else 128)
+    assert q.scales.shape == (2, 3, 128 // f.block)
+    if f.scale == "e8m0":
+        assert q.token_scale is None
+    else:
+        assert q.token_scale.shape == (2, 3) and q.token_scale.dtype == jnp.float32
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown format 'fp4'.*mxfp4"):
+        quantize(jnp.ones((32,)), "fp4")
+    with pytest.raises(ValueError, match="blocks of 32; got shape \\(2, 48\\)"):
+        quantize(jnp.ones((2, 48)), "mxfp8_e4m3")
+    with pytest.raises(TypeError, match="floating-point"):
+        quantize(jnp.ones((32,), jnp.int32), "mxfp4")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    fmt=st.sampled_from(ALL),
+    x=hnp.arrays(np.float32, (3, 64), elements=st.floats(-1e6, 1e6, width=32)),
+)
+def test_property_matches_oracle(fmt, x):
+    check_against_oracle(x, fmt)
