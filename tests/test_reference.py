@@ -1,0 +1,124 @@
+"""reference_attention and exact_attention against the float64 numpy oracle."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dma_jax import DMAConfig, exact_attention, reference_attention
+from dma_jax.config import ALL_TILES
+
+import oracle
+
+
+def make_qkv(seed, b, lq, lk, hq, hkv, d, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, lq, hq, d)).astype(np.float32)
+    k = rng.standard_normal((b, lk, hkv, d)).astype(np.float32) + 2.0 * rng.standard_normal((1, 1, hkv, d))
+    v = rng.standard_normal((b, lk, hkv, d)).astype(np.float32)
+    q[..., :3] *= 6.0  # outlier channels
+    return tuple(np.asarray(a, np.float32).astype(dtype) for a in (q, k, v))
+
+
+CASES = [
+    # (b, lq, lk, hq, hkv, d, causal, diag, sink, q_offset)
+    (1, 300, 300, 2, 2, 64, True, 1, 1, None),
+    (2, 200, 300, 6, 2, 128, True, 1, 1, None),
+    (1, 300, 300, 3, 1, 64, False, 1, 1, None),
+    (1, 257, 257, 2, 1, 64, True, 0, 0, None),
+    (1, 257, 257, 2, 1, 64, True, 2, 1, None),
+    (1, 257, 257, 2, 1, 64, True, 1, 0, None),
+    (1, 257, 257, 2, 1, 64, True, 0, 1, None),
+    (1, 300, 400, 8, 1, 64, False, 1, 1, 50),
+    (1, 1, 385, 2, 2, 64, True, 1, 1, None),
+    (1, 129, 130, 2, 2, 128, True, ALL_TILES, 1, None),
+]
+
+
+@pytest.mark.parametrize("b,lq,lk,hq,hkv,d,causal,diag,sink,q_offset", CASES)
+def test_reference_matches_float64_oracle(b, lq, lk, hq, hkv, d, causal, diag, sink, q_offset):
+    q, k, v = make_qkv(0, b, lq, lk, hq, hkv, d)
+    # Without smoothing the float32 pre-processing is identical in both, so the
+    # only differences left are float32 vs float64 sums.
+    cfg = DMAConfig(diag_tiles=diag, sink_tiles=sink, smooth_k=False)
+    got = reference_attention(q, k, v, causal=causal, config=cfg, q_offset=q_offset)
+    want = oracle.dma_attention(q, k, v, causal=causal, diag=diag, sink=sink,
+                                smooth_k=False, q_offset=q_offset)
+    assert got.dtype == jnp.float32 and got.shape == q.shape
+    assert oracle.rel_l2(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("high,low", [("mxfp8_e5m2", "mxfp4"), ("mxfp8_e4m3", "mxfp4"),
+                                      ("mxfp8_e5m2", "nvfp4")])
+def test_other_formats_smoothing_and_scale(high, low):
+    q, k, v = make_qkv(1, 1, 300, 300, 4, 2, 128)
+    cfg = DMAConfig(high=high, low=low, sm_scale=0.05)
+    got = reference_attention(q, k, v, config=cfg)
+    want = oracle.dma_attention(q, k, v, high=high, low=low, sm_scale=0.05)
+    # The smoothing mean is summed in a different order by numpy: an occasional
+    # element may round to its other neighbour.
+    assert oracle.rel_l2(got, want) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_inputs_round_p_before_pv(dtype):
+    np_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float16
+    q, k, v = make_qkv(2, 1, 260, 260, 2, 2, 64, dtype=np_dtype)
+    got = reference_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    assert got.dtype == dtype
+    want = oracle.dma_attention(q, k, v, p_dtype=np_dtype)
+    unrounded = oracle.dma_attention(q, k, v)
+    err = oracle.rel_l2(got, want)
+    assert err < 5e-3
+    # Rounding P to the input dtype is visible: the oracle that rounds is closer.
+    assert err < oracle.rel_l2(got, unrounded)
+
+
+def test_rows_without_valid_keys_are_zero():
+    q, k, v = make_qkv(3, 1, 20, 40, 2, 2, 64)
+    got = np.asarray(reference_attention(q, k, v, causal=True, q_offset=-5))
+    assert (got[:, :5] == 0).all()
+    assert np.abs(got[:, 5:]).min(axis=-1).max() > 0
+    want = oracle.dma_attention(q, k, v, causal=True, q_offset=-5)
+    assert oracle.rel_l2(got, want) < 2e-3
+
+
+def test_nan_propagates_to_its_rows():
+    q, k, v = make_qkv(4, 2, 130, 130, 4, 2, 64)
+    q[0, 7, 1, 3] = np.nan
+    k[1, 9, 0, 0] = np.inf
+    got = np.asarray(reference_attention(q, k, v, causal=True))
+    assert np.isnan(got[0, 7, 1]).all()
+    # K's mean (smooth-K) carries the Inf into every key of that batch and kv head.
+    assert np.isnan(got[1, :, :2]).all()
+    nan_rows = np.zeros(got.shape[:3], bool)
+    nan_rows[0, 7, 1] = True
+    nan_rows[1, :, :2] = True
+    assert np.isfinite(got[~nan_rows]).all()
+
+
+def test_gqa_equals_repeated_heads():
+    q, k, v = make_qkv(5, 1, 140, 140, 6, 2, 64)
+    grouped = reference_attention(q, k, v)
+    repeated = reference_attention(q, np.repeat(k, 3, axis=2), np.repeat(v, 3, axis=2))
+    np.testing.assert_allclose(np.asarray(grouped), np.asarray(repeated), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal,q_offset", [(True, None), (False, None), (True, 30)])
+def test_exact_attention_matches_float64(causal, q_offset):
+    q, k, v = make_qkv(6, 2, 100, 180, 4, 1, 128)
+    got = exact_attention(q, k, v, causal=causal, q_offset=q_offset)
+    want = oracle.dma_attention(q, k, v, causal=causal, diag=None, q_offset=q_offset)
+    assert got.dtype == jnp.float32
+    assert oracle.rel_l2(got, want) < 1e-5
+
+
+def test_memory_is_bounded_at_8k_32_heads():
+    """q_len = kv_len = 8192, 32 heads, head_dim 128 must fit the 24 GB CPU machine:
+    XLA's buffer assignment of the compiled reference says how much it needs."""
+    shape = jax.ShapeDtypeStruct((1, 8192, 32, 128), jnp.bfloat16)
+    compiled = jax.jit(reference_attention).lower(shape, shape, shape).compile()
+    stats = compiled.memory_analysis()
+    total = stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+    assert total < 8 * 2**30, f"needs {total / 2**30:.1f} GiB"
