@@ -17,7 +17,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) -m dma_jax.demo
+	$(PY) benchmarks/accuracy.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,95 @@
+"""Accuracy of DMA configurations against exact attention on LLM-like inputs.
+
+Runs ``dma_jax.attention`` under ``jax.jit`` (on CPU: the jnp reference) for a
+few configurations, compares each with float32 exact attention, prints a table
+and writes JSON. Usage:
+
+    python benchmarks/accuracy.py [--seq 1024] [--heads 8] [--kv-heads 2] [--head-dim 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+
+import jax
+import numpy as np
+
+import dma_jax
+from dma_jax import DMAConfig
+from dma_jax.metrics import METRICS, error_metrics
+from dma_jax.reference import pair_is_high
+from dma_jax.synthetic import llm_like_qkv
+
+CONFIGS = {
+    "DMA default (diag 1, sink 1, MXFP8 + NVFP4)": DMAConfig(),
+    "DMA diag 2, sink 1, MXFP8 + NVFP4": DMAConfig(diag_tiles=2),
+    "DMA default with MXFP4 low": DMAConfig(low="mxfp4"),
+    "all MXFP8 (e4m3)": DMAConfig.all_high(),
+    "all NVFP4": DMAConfig.all_low(),
+    "all MXFP4": DMAConfig.all_low(low="mxfp4"),
+    "all NVFP4, no smooth-K": DMAConfig.all_low(smooth_k=False),
+}
+
+
+def high_fraction(config: DMAConfig, seq: int, causal: bool) -> float:
+    """Fraction of unmasked (query, key) pairs computed in the high format."""
+    pos = np.arange(seq)
+    high = np.asarray(pair_is_high(pos[:, None], pos[None, :], causal=causal, config=config))
+    valid = pos[None, :] <= pos[:, None] if causal else np.ones_like(high)
+    return float((high & valid).sum() / valid.sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--non-causal", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    causal = not args.non_causal
+
+    q, k, v = llm_like_qkv(
+        jax.random.PRNGKey(args.seed), q_len=args.seq, q_heads=args.heads,
+        kv_heads=args.kv_heads, head_dim=args.head_dim,
+    )
+    exact = dma_jax.exact_attention(q, k, v, causal=causal)
+    device = jax.devices()[0]
+    print(f"LLM-like bf16 inputs: batch 1, seq {args.seq}, heads {args.heads}:{args.kv_heads}, "
+          f"head_dim {args.head_dim}, {'causal' if causal else 'non-causal'}; "
+          f"dma_jax.attention under jax.jit on {device.platform} vs float32 exact attention\n")
+    header = f"| {'configuration':45s} | high pairs | " + " | ".join(f"{m:>8s}" for m in METRICS) + " |"
+    print(header)
+    print("|" + "-" * 47 + "|-----------:|" + "|".join("-" * 9 + ":" for _ in METRICS) + "|")
+    rows = []
+    for name, config in CONFIGS.items():
+        f = jax.jit(lambda q, k, v, c=config: dma_jax.attention(q, k, v, causal=causal, config=c))
+        start = time.perf_counter()
+        out = f(q, k, v).block_until_ready()
+        seconds = time.perf_counter() - start
+        m = error_metrics(out, exact)
+        frac = high_fraction(config, args.seq, causal)
+        print(f"| {name:45s} | {frac:10.3f} | " + " | ".join(f"{m[x]:8.5f}" for x in METRICS) + " |")
+        rows.append({"config": name, "settings": config.__dict__, "high_fraction": frac,
+                     "seconds_incl_compile": seconds, **m})
+
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"accuracy_{device.platform}.json")
+    with open(path, "w") as fh:
+        json.dump({
+            "date": datetime.date.today().isoformat(),
+            "device": str(device), "host": platform.node(),
+            "jax": jax.__version__, "args": vars(args), "rows": rows,
+        }, fh, indent=2)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""DMAConfig: defaults, immutability and validation messages."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dma_jax import DMAConfig
+from dma_jax.config import ALL_TILES
+
+
+def test_defaults_follow_the_paper():
+    c = DMAConfig()
+    assert (c.diag_tiles, c.sink_tiles, c.high, c.low, c.smooth_k, c.sm_scale, c.tile_size) == (
+        1, 1, "mxfp8_e4m3", "nvfp4", True, None, 128)
+    assert c.softmax_scale(128) == 128**-0.5
+    assert DMAConfig(sm_scale=0.1).softmax_scale(128) == 0.1
+
+
+def test_frozen_and_hashable():
+    c = DMAConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.diag_tiles = 3
+    assert hash(c) == hash(DMAConfig()) and c == DMAConfig()
+    assert DMAConfig(diag_tiles=2) != c
+
+
+def test_presets():
+    assert DMAConfig.all_high().diag_tiles == ALL_TILES
+    low = DMAConfig.all_low(low="mxfp4")
+    assert (low.diag_tiles, low.sink_tiles, low.low) == (0, 0, "mxfp4")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("diag_tiles", -1, r"DMAConfig.diag_tiles must be an int >= 0; got -1"),
+    ("diag_tiles", 1.0, r"DMAConfig.diag_tiles must be an int >= 0; got 1.0"),
+    ("sink_tiles", True, r"DMAConfig.sink_tiles must be an int >= 0; got True"),
+    ("high", "nvfp4", r"DMAConfig.high must be one of \('mxfp8_e4m3', 'mxfp8_e5m2'\); got 'nvfp4'"),
+    ("low", "int4", r"DMAConfig.low must be one of \('nvfp4', 'mxfp4'\); got 'int4'"),
+    ("smooth_k", "yes", r"DMAConfig.smooth_k must be one of \(True, False\); got 'yes'"),
+    ("tile_size", 64, r"DMAConfig.tile_size must be one of \(128,\); got 64"),
+    ("sm_scale", 0.0, r"DMAConfig.sm_scale must be None or a finite float > 0; got 0.0"),
+    ("sm_scale", float("nan"), r"sm_scale must be None or a finite float > 0; got nan"),
+    ("sm_scale", np.float32(0.1), r"sm_scale must be None or a finite float > 0"),
+])
+def test_bad_values_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DMAConfig(**{field: value})
