@@ -111,13 +111,14 @@ def _exponent(a: jax.Array) -> jax.Array:
 def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
     """Correctly rounded float32 ``a / b`` with numpy broadcasting.
 
-    XLA rewrites a division by a broadcast (or constant) divisor into a
-    multiplication by its reciprocal, which is off by one ulp for some inputs.
-    Broadcasting first and hiding the divisor behind an optimization barrier
-    keeps a true division, so codes match the kernels and numpy bit for bit.
+    XLA's algebraic simplifier rewrites a division by a broadcast (or constant)
+    divisor into a multiplication by its reciprocal, and ``(a / b) / c`` into
+    ``a / (b * c)``; both are off by one ulp for some inputs. Broadcasting first
+    and fencing operands and result with optimization barriers keeps one true
+    division, so codes match the kernels and numpy bit for bit.
     """
-    a, b = jnp.broadcast_arrays(a, b)
-    return a / jax.lax.optimization_barrier(b)
+    a, b = jax.lax.optimization_barrier(jnp.broadcast_arrays(a, b))
+    return jax.lax.optimization_barrier(a / b)
 
 
 def flush_subnormals(x: jax.Array) -> jax.Array:
@@ -175,9 +176,18 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+def _abs_max(x: jax.Array, axis: int, keepdims: bool = False) -> jax.Array:
+    """max |x| along ``axis``, NaN when any element is NaN.
+
+    XLA's CPU max reduction does not reliably propagate NaN, so it is made explicit.
+    """
+    m = jnp.max(jnp.abs(x), axis=axis, keepdims=keepdims)
+    return jnp.where(jnp.any(jnp.isnan(x), axis=axis, keepdims=keepdims), jnp.nan, m)
+
+
 def _quantize_mx(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
     xb = _blocks(x, fmt.block)
-    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    amax = _abs_max(xb, -1, keepdims=True)
     finite = jnp.isfinite(amax)
     e = jnp.clip(_exponent(jnp.where(finite, amax, 0.0)) - fmt.emax, -127, 127)
     # Multiply by 2^-e instead of dividing by 2^e: 2^-127 is a float32 subnormal,
@@ -191,11 +201,11 @@ def _quantize_mx(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
 def _quantize_nvfp4(
     x: jax.Array, fmt: Format
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    amax_token = jnp.max(jnp.abs(x), axis=-1)
+    amax_token = _abs_max(x, -1)
     s2 = div_rn(amax_token, jnp.float32(NVFP4_TOKEN_DIVISOR))
     s2 = jnp.where(s2 == 0, jnp.float32(1.0), s2)[..., None, None]
     xb = _blocks(x, fmt.block)
-    amax_block = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    amax_block = _abs_max(xb, -1, keepdims=True)
     sb_f = div_rn(amax_block, jnp.float32(6.0) * s2)
     finite = jnp.isfinite(sb_f)
     sb = round_to_element(jnp.where(finite, sb_f, 0.0), _E4M3)

@@ -45,6 +45,17 @@ def test_random_normal_matches_oracle(fmt):
 
 
 @pytest.mark.parametrize("fmt", ALL)
+def test_bf16_values_times_folded_scale(fmt):
+    """bf16 values have short mantissas, so (x / s2) / sb often lands exactly on a
+    rounding tie: a fused x / (s2 * sb) would round it the other way."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 37, 3, 64)).astype(np.float32)
+    x[..., 5] *= 100
+    x = x.astype(ml_dtypes.bfloat16).astype(np.float32) * np.float32(0.3)
+    check_against_oracle(x, fmt)
+
+
+@pytest.mark.parametrize("fmt", ALL)
 def test_outliers_and_bf16_inputs(fmt):
     rng = np.random.default_rng(1)
     x = rng.standard_normal((64, 64)).astype(np.float32)
@@ -126,10 +137,12 @@ def test_zero_blocks_negative_zero_and_tiny(fmt):
 
 @pytest.mark.parametrize("fmt", ALL)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_nan_and_inf_propagate(fmt, bad):
+@pytest.mark.parametrize("where", [0, 5, 15])
+def test_nan_and_inf_propagate(fmt, bad, where):
     f = get_format(fmt)
     x = np.ones((2, 64), np.float32)
-    x[0, 5] = bad
+    x[0, :16] = np.linspace(-3, 3, 16)
+    x[0, where] = bad
     q = quantize(jnp.asarray(x), fmt)
     deq = np.asarray(dequantize(q, fmt))
     assert np.isnan(deq[0, :f.block]).all(), "the block holding NaN/Inf decodes to NaN"

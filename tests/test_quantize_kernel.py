@@ -1,0 +1,93 @@
+"""triton_kernels.quantize: byte-for-byte equal to dma_jax.formats.
+
+Runs under TRITON_INTERPRET=1 on CPU (conftest) and natively on a GPU.
+"""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from dma_jax import dequantize, quantize
+from dma_jax.formats import FORMATS as JAX_FORMATS
+from triton_kernels.quantize import FORMATS, channel_mean, dual_quantize
+
+import oracle
+from conftest import HAS_CUDA
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def inputs(kind, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    if kind == "outliers":
+        x[..., [1, 9, 33]] *= 500.0
+        x += 3.0 * rng.standard_normal((1, 1, shape[2], shape[3]))
+    elif kind == "tiny":
+        x *= 1e-30
+    elif kind == "zero":
+        x[:] = 0.0
+        x[0, 0, 0, :5] = -0.0
+    elif kind == "nan":
+        x[0, 1, 0, 3] = np.nan
+        x[0, 2, 0, 40] = np.inf
+        x[-1, -1, -1, -1] = -np.inf
+    return x
+
+
+def expected(x32, fmt):
+    q = quantize(jnp.asarray(x32), fmt)
+    return [np.asarray(a) for a in q if a is not None]
+
+
+def check(x, *, high, low, fold=1.0, smooth=False, dtype=torch.bfloat16):
+    xt = torch.from_numpy(x).to(dtype).to(DEVICE)
+    mean = channel_mean(xt) if smooth else None
+    got = dual_quantize(xt, high=high, low=low, fold=fold, mean=mean)
+    # The same float32 pre-processing, then dma_jax.formats.
+    x32 = xt.float().cpu().numpy()
+    if smooth:
+        x32 = x32 - mean.cpu().numpy()[:, None]
+    x32 = (x32 * np.float32(fold)).astype(np.float32)
+    hi = [got.hi_codes, got.hi_scales]
+    lo = [got.lo_codes, got.lo_scales] + ([got.lo_token_scale] if low == "nvfp4" else [])
+    for fmt, tensors in ((high, hi), (low, lo)):
+        for name, g, w in zip(("codes", "scales", "token_scale"), tensors, expected(x32, fmt)):
+            g = g.cpu().numpy()
+            assert g.shape == w.shape, (fmt, name)
+            if name == "token_scale":
+                np.testing.assert_array_equal(g.view(np.uint32)[np.isfinite(w)], w.view(np.uint32)[np.isfinite(w)])
+                np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+            else:
+                np.testing.assert_array_equal(g, w, err_msg=f"{fmt} {name}")
+
+
+@pytest.mark.parametrize("kind", ["random", "outliers", "tiny", "zero", "nan"])
+@pytest.mark.parametrize("high,low", [("mxfp8_e4m3", "nvfp4"), ("mxfp8_e5m2", "mxfp4")])
+def test_bytes_equal_formats(kind, high, low):
+    check(inputs(kind, (2, 37, 3, 64)), high=high, low=low, fold=0.3)
+
+
+@pytest.mark.parametrize("low", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_head_dim_128_smooth_k_and_half_dtypes(low, dtype):
+    check(inputs("outliers", (1, 70, 2, 128), seed=3), high="mxfp8_e4m3", low=low, smooth=True, dtype=dtype)
+
+
+def test_single_token():
+    check(inputs("random", (1, 1, 1, 64), seed=4), high="mxfp8_e4m3", low="nvfp4", fold=0.125 * 1.4426950408889634)
+
+
+def test_channel_mean_against_float64():
+    x = inputs("outliers", (2, 300, 3, 64), seed=5)
+    xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
+    want = xt.double().mean(dim=1).cpu().numpy()
+    np.testing.assert_allclose(channel_mean(xt).cpu().numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_format_tables_agree():
+    for name, (e, m, emin, emax, vmax, block) in FORMATS.items():
+        f = JAX_FORMATS[name]
+        assert (f.exp_bits, f.man_bits, f.emin, f.emax, f.max_value, f.block) == (e, m, emin, emax, vmax, block)

@@ -1,0 +1,232 @@
+"""Fused dual quantization of Q or K into a high (MXFP8) and a low (NVFP4/MXFP4) copy.
+
+One program quantizes ``BLOCK_T`` tokens of one (batch, head): it reads the
+bf16/fp16 tile once, optionally subtracts K's per-channel mean (smooth-K) and
+multiplies by the folded softmax scale (Q), then writes both copies with their
+scale bytes and, for NVFP4, the float32 per-token scale. The numerics are those
+of ``dma_jax.formats`` (DESIGN.md §3.1) bit for bit: element rounding is done
+with integer bit manipulation and a round-half-even trick, divisions with
+``div_rn``, never with float8 casts of unrepresentable values.
+
+Smooth-K needs the mean over all valid tokens before any tile can be quantized,
+so it is a separate reduction launch (``channel_mean``); K is read twice.
+
+This module imports torch and triton only, never JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+# Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
+# Kept in step with dma_jax.formats.FORMATS (a test checks it).
+FORMATS = {
+    "mxfp8_e4m3": (4, 3, -6, 8, 448.0, 32),
+    "mxfp8_e5m2": (5, 2, -14, 15, 57344.0, 32),
+    "mxfp4": (2, 1, 0, 2, 6.0, 32),
+    "nvfp4": (2, 1, 0, 2, 6.0, 16),
+}
+NVFP4_TOKEN_DIVISOR = 2688.0
+
+
+@triton.jit
+def _pow2(e):
+    """Exact float32 2**e for integer e in [-126, 127]."""
+    return ((e + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exponent(a):
+    """floor(log2(a)) for normal positive float32 a; -127 for zero."""
+    return ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+
+
+@triton.jit
+def _abs_max(x, axis: tl.constexpr):
+    """max |x| along axis, NaN if any element is NaN (as jnp.max)."""
+    a = tl.abs(x)
+    has_nan = tl.max((a != a).to(tl.int32), axis=axis) > 0
+    return tl.where(has_nan, float("nan"), tl.max(a, axis=axis))
+
+
+@triton.jit
+def _round_to_element(v, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, MAX_VALUE: tl.constexpr):
+    """Nearest element value of finite v, ties to even, saturating; keeps -0."""
+    c = tl.minimum(tl.maximum(v, -MAX_VALUE), MAX_VALUE)
+    e = tl.maximum(_exponent(tl.abs(c)), EMIN)
+    scaled = c * _pow2(MAN_BITS - e)  # exact; |scaled| < 2^(MAN_BITS + 1)
+    # Adding and subtracting 1.5 * 2^23 rounds to an integer, half to even.
+    magic = 12582912.0
+    r = ((scaled + magic) - magic) * _pow2(e - MAN_BITS)
+    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _element_code(r, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.constexpr):
+    """Bit pattern (int32) of an exactly representable element value r."""
+    bits = r.to(tl.uint32, bitcast=True)
+    a = tl.abs(r)
+    bias: tl.constexpr = (1 << (EXP_BITS - 1)) - 1
+    normal = ((_exponent(a) + bias) << MAN_BITS) | ((bits >> (23 - MAN_BITS)) & ((1 << MAN_BITS) - 1)).to(tl.int32)
+    subnormal = (a * _pow2(tl.full(a.shape, MAN_BITS - EMIN, tl.int32))).to(tl.int32)
+    code = tl.where(a >= _pow2(tl.full(a.shape, EMIN, tl.int32)), normal, subnormal)
+    return code | ((bits >> 31).to(tl.int32) << (EXP_BITS + MAN_BITS))
+
+
+@triton.jit
+def _quantize_tile(
+    x, rows, cols, mask,
+    codes_ptr, scales_ptr, token_ptr,
+    EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+    MAX_VALUE: tl.constexpr, BLOCK: tl.constexpr, NVFP4: tl.constexpr,
+    BLOCK_T: tl.constexpr, D: tl.constexpr,
+):
+    """Quantize a [BLOCK_T, D] float32 tile into one format and store it.
+
+    rows: token indices into the flattened [tokens] outputs; cols: arange(D).
+    """
+    NB: tl.constexpr = D // BLOCK
+    xb = tl.reshape(x, (BLOCK_T, NB, BLOCK))
+    amax = _abs_max(xb, 2)  # [T, NB]
+    if NVFP4:
+        s2 = tl.math.div_rn(_abs_max(x, 1), tl.full((BLOCK_T,), 2688.0, tl.float32))
+        s2 = tl.where(s2 == 0, 1.0, s2)
+        sb_f = tl.math.div_rn(amax, 6.0 * s2[:, None])
+        finite = (sb_f == sb_f) & (tl.abs(sb_f) < float("inf"))
+        sb = _round_to_element(tl.where(finite, sb_f, 0.0), 3, -6, 448.0)
+        usable = finite & (sb > 0)
+        sb_b = tl.where(usable, sb, 1.0)[:, :, None]
+        xs = tl.math.div_rn(xb, tl.broadcast_to(s2[:, None, None], (BLOCK_T, NB, BLOCK)))
+        v = tl.math.div_rn(xs, tl.broadcast_to(sb_b, (BLOCK_T, NB, BLOCK)))
+        zero = (xb.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
+        v = tl.where(usable[:, :, None], v, zero)
+        v = tl.where((v == v) & (tl.abs(v) < float("inf")), v, 0.0)
+        scale_code = tl.where(finite, _element_code(sb, 4, 3, -6), 0x7F)
+        tl.store(token_ptr + rows, s2, mask=mask)
+    else:
+        finite = (amax == amax) & (amax < float("inf"))
+        e = tl.minimum(tl.maximum(_exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
+        # Multiply by 2^-e: -e lies in [-125, 127], so the factor is a normal float.
+        v = tl.where(finite[:, :, None], xb * _pow2(-e)[:, :, None], 0.0)
+        scale_code = tl.where(finite, e + 127, 255)
+    r = _round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
+    codes = tl.reshape(_element_code(r, EXP_BITS, MAN_BITS, EMIN), (BLOCK_T, D))
+    sblk = tl.arange(0, NB)
+    tl.store(scales_ptr + rows[:, None] * NB + sblk[None, :], scale_code.to(tl.uint8), mask=mask[:, None])
+    if EXP_BITS + MAN_BITS == 3:
+        # Two E2M1 codes per byte along head_dim, element 2t in the low nibble.
+        lo, hi = tl.split(tl.reshape(codes, (BLOCK_T, D // 2, 2)))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        half = tl.arange(0, D // 2)
+        tl.store(codes_ptr + rows[:, None] * (D // 2) + half[None, :], packed, mask=mask[:, None])
+    else:
+        tl.store(codes_ptr + rows[:, None] * D + cols[None, :], codes.to(tl.uint8), mask=mask[:, None])
+
+
+@triton.jit
+def _dual_quantize_kernel(
+    x_ptr, mean_ptr,
+    hi_codes, hi_scales, lo_codes, lo_scales, lo_token,
+    fold, L, H,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr,
+    HI_E: tl.constexpr, HI_M: tl.constexpr, HI_EMIN: tl.constexpr, HI_EMAX: tl.constexpr,
+    HI_MAX: tl.constexpr, HI_BLOCK: tl.constexpr,
+    LO_E: tl.constexpr, LO_M: tl.constexpr, LO_EMIN: tl.constexpr, LO_EMAX: tl.constexpr,
+    LO_MAX: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NVFP4: tl.constexpr,
+):
+    """One program per (BLOCK_T tokens, head, batch) of x [B, L, H, D] (contiguous)."""
+    pid_t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, D)
+    mask = t < L
+    # Flattened token index in [B, L, H] order: outputs are [B, L, H, ...].
+    rows = (b * L + t) * H + h
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    if SMOOTH:
+        x = x - tl.load(mean_ptr + (b * H + h) * D + cols)[None, :]
+    x = x * fold
+    # float32 subnormals count as signed zeros (as in dma_jax.formats).
+    sign = (x.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
+    x = tl.where(tl.abs(x) < 1.1754943508222875e-38, sign, x)
+    _quantize_tile(x, rows, cols, mask, hi_codes, hi_scales, lo_token,
+                   HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D)
+    _quantize_tile(x, rows, cols, mask, lo_codes, lo_scales, lo_token,
+                   LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, BLOCK_T, D)
+
+
+@triton.jit
+def _channel_mean_kernel(x_ptr, mean_ptr, L, H, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """mean over the L tokens of x [B, L, H, D] for one (head, batch), in float32."""
+    h, b = tl.program_id(0), tl.program_id(1)
+    cols = tl.arange(0, D)
+    acc = tl.zeros((D,), tl.float32)
+    for start in range(0, L, BLOCK_T):
+        t = start + tl.arange(0, BLOCK_T)
+        ptrs = x_ptr + ((b * L + t) * H + h)[:, None] * D + cols[None, :]
+        acc += tl.sum(tl.load(ptrs, mask=(t < L)[:, None], other=0.0).to(tl.float32), axis=0)
+    mean = tl.math.div_rn(acc, tl.full((D,), 1.0, tl.float32) * L)
+    tl.store(mean_ptr + (b * H + h) * D + cols, mean)
+
+
+@dataclasses.dataclass
+class DualQuantized:
+    """Both copies of one tensor ``[B, L, H, D]`` (uint8 unless noted)."""
+
+    hi_codes: torch.Tensor  # [B, L, H, D]
+    hi_scales: torch.Tensor  # [B, L, H, D // 32], E8M0
+    lo_codes: torch.Tensor  # [B, L, H, D // 2], packed E2M1
+    lo_scales: torch.Tensor  # [B, L, H, D // block], E4M3 (nvfp4) or E8M0 (mxfp4)
+    lo_token_scale: torch.Tensor | None  # float32 [B, L, H] for nvfp4
+
+
+def channel_mean(x: torch.Tensor, block_t: int = 64) -> torch.Tensor:
+    """Float32 mean of ``x [B, L, H, D]`` over L, shape ``[B, H, D]``."""
+    b, l, h, d = x.shape
+    mean = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
+    _channel_mean_kernel[(h, b)](x, mean, l, h, D=d, BLOCK_T=block_t)
+    return mean
+
+
+def dual_quantize(
+    x: torch.Tensor,
+    *,
+    high: str = "mxfp8_e4m3",
+    low: str = "nvfp4",
+    fold: float = 1.0,
+    mean: torch.Tensor | None = None,
+    block_t: int = 32,
+) -> DualQuantized:
+    """Quantize ``(x - mean) * fold`` into ``high`` and ``low`` in one launch.
+
+    x: bf16/fp16/fp32 ``[B, L, H, D]``, contiguous. ``mean``: float32 ``[B, H, D]``
+    (smooth-K) or None. ``fold`` is rounded to float32 (the folded softmax scale for Q).
+    """
+    if not x.is_contiguous():
+        raise ValueError("dual_quantize needs a contiguous [B, L, H, D] tensor")
+    b, l, h, d = x.shape
+    hi, lo = FORMATS[high], FORMATS[low]
+    dev = x.device
+    out = DualQuantized(
+        hi_codes=torch.empty((b, l, h, d), dtype=torch.uint8, device=dev),
+        hi_scales=torch.empty((b, l, h, d // hi[5]), dtype=torch.uint8, device=dev),
+        lo_codes=torch.empty((b, l, h, d // 2), dtype=torch.uint8, device=dev),
+        lo_scales=torch.empty((b, l, h, d // lo[5]), dtype=torch.uint8, device=dev),
+        lo_token_scale=torch.empty((b, l, h), dtype=torch.float32, device=dev) if low == "nvfp4" else None,
+    )
+    token = out.lo_token_scale if out.lo_token_scale is not None else out.lo_scales
+    grid = (triton.cdiv(l, block_t), h, b)
+    _dual_quantize_kernel[grid](
+        x, mean if mean is not None else x,
+        out.hi_codes, out.hi_scales, out.lo_codes, out.lo_scales, token,
+        float(torch.tensor(fold, dtype=torch.float32)), l, h,
+        D=d, BLOCK_T=block_t, SMOOTH=mean is not None,
+        HI_E=hi[0], HI_M=hi[1], HI_EMIN=hi[2], HI_EMAX=hi[3], HI_MAX=hi[4], HI_BLOCK=hi[5],
+        LO_E=lo[0], LO_M=lo[1], LO_EMIN=lo[2], LO_EMAX=lo[3], LO_MAX=lo[4], LO_BLOCK=lo[5],
+        LO_NVFP4=low == "nvfp4",
+    )
+    return out
