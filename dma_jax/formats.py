@@ -211,10 +211,10 @@ def _quantize_nvfp4(
     sb = round_to_element(jnp.where(finite, sb_f, 0.0), _E4M3)
     # The elements are encoded with the rounded block scale, as they are decoded.
     usable = finite & (sb > 0)
-    # A block with a zero scale encodes signed zeros, like any element that rounds to 0.
-    v = jnp.where(
-        usable, div_rn(div_rn(xb, s2), jnp.where(usable, sb, 1.0)), jnp.copysign(0.0, xb)
-    )
+    # A block with a zero scale encodes signed zeros, like any element that rounds
+    # to 0; a NaN element (whose sign bit means nothing) encodes +0.
+    zero = jnp.where(jnp.isnan(xb), 0.0, jnp.copysign(0.0, xb))
+    v = jnp.where(usable, div_rn(div_rn(xb, s2), jnp.where(usable, sb, 1.0)), zero)
     r = round_to_element(jnp.where(jnp.isfinite(v), v, 0.0), fmt)
     codes = _element_codes(r, fmt).reshape(x.shape)
     sb_codes = jnp.where(finite, _element_codes(sb, _E4M3), 0x7F)[..., 0]

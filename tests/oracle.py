@@ -63,7 +63,8 @@ def quantize(x, fmt):
             finite = np.isfinite(sb_f)
             sb_codes, sb = _cast(np.where(finite, sb_f, 0), ml_dtypes.float8_e4m3fn, 448.0)
             v = ((xb / s2b) / sb.astype(np.float32)).astype(np.float32)
-            v = np.where(finite & (sb > 0), v, np.copysign(np.float32(0), xb))
+            zero = np.where(np.isnan(xb), np.float32(0), np.copysign(np.float32(0), xb))
+            v = np.where(finite & (sb > 0), v, zero)
             v = np.where(np.isfinite(v), v, 0)
             codes, vals = _cast(v, dtype, vmax)
             scales = np.where(finite, sb_codes, 0x7F).astype(np.uint8)[..., 0]

@@ -1,5 +1,6 @@
 """dma_jax.formats against the numpy + ml_dtypes oracle, element by element."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -14,6 +15,15 @@ from dma_jax.formats import get_format, pack_nibbles, unpack_nibbles
 import oracle
 
 ALL = sorted(FORMATS)
+
+
+@pytest.fixture(autouse=True)
+def on_xla_cpu():
+    """The bit-exact contract holds on XLA's CPU backend. XLA's GPU backend does
+    not round float32 divisions correctly, so there NVFP4 scales can differ by an
+    ulp (measured on the H200, see NOTES.md); GPUs run the Triton kernels instead."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def check_against_oracle(x, fmt):

@@ -103,7 +103,9 @@ def _quantize_tile(
         sb_b = tl.where(usable, sb, 1.0)[:, :, None]
         xs = tl.math.div_rn(xb, tl.broadcast_to(s2[:, None, None], (BLOCK_T, NB, BLOCK)))
         v = tl.math.div_rn(xs, tl.broadcast_to(sb_b, (BLOCK_T, NB, BLOCK)))
+        # Signed zeros where the block scale is 0; +0 for NaN (its sign means nothing).
         zero = (xb.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
+        zero = tl.where(xb == xb, zero, 0.0)
         v = tl.where(usable[:, :, None], v, zero)
         v = tl.where((v == v) & (tl.abs(v) < float("inf")), v, 0.0)
         scale_code = tl.where(finite, _element_code(sb, 4, 3, -6), 0x7F)
