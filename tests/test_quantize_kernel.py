@@ -85,7 +85,9 @@ def test_channel_mean_against_float64():
     x = inputs("outliers", (2, 300, 3, 64), seed=5)
     xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
     want = xt.double().mean(dim=1).cpu().numpy()
-    np.testing.assert_allclose(channel_mean(xt).cpu().numpy(), want, rtol=1e-5, atol=1e-5)
+    for chunk in (64, 100, 512):  # several partial sums, a ragged last chunk, one chunk
+        got = channel_mean(xt, chunk=chunk).cpu().numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_format_tables_agree():

@@ -162,15 +162,31 @@ def _dual_quantize_kernel(
 
 
 @triton.jit
-def _channel_mean_kernel(x_ptr, mean_ptr, L, H, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """mean over the L tokens of x [B, L, H, D] for one (head, batch), in float32."""
+def _channel_sum_kernel(x_ptr, part_ptr, L, H, CHUNK, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Partial sums over one CHUNK of tokens of x [B, L, H, D], per (head, batch).
+
+    A grid over chunks keeps every SM busy; partials land in [chunks, B, H, D]
+    and are added in a fixed order afterwards, so the mean is deterministic.
+    """
+    c, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = tl.arange(0, D)
+    acc = tl.zeros((D,), tl.float32)
+    end = tl.minimum(c * CHUNK + CHUNK, L)
+    for start in range(c * CHUNK, end, BLOCK_T):
+        t = start + tl.arange(0, BLOCK_T)
+        ptrs = x_ptr + ((b * L + t) * H + h)[:, None] * D + cols[None, :]
+        acc += tl.sum(tl.load(ptrs, mask=(t < end)[:, None], other=0.0).to(tl.float32), axis=0)
+    tl.store(part_ptr + ((c * tl.num_programs(2) + b) * H + h) * D + cols, acc)
+
+
+@triton.jit
+def _channel_mean_kernel(part_ptr, mean_ptr, L, H, N_CHUNKS, D: tl.constexpr):
+    """mean = (sum of the partials, in chunk order) / L, per (head, batch)."""
     h, b = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, D)
     acc = tl.zeros((D,), tl.float32)
-    for start in range(0, L, BLOCK_T):
-        t = start + tl.arange(0, BLOCK_T)
-        ptrs = x_ptr + ((b * L + t) * H + h)[:, None] * D + cols[None, :]
-        acc += tl.sum(tl.load(ptrs, mask=(t < L)[:, None], other=0.0).to(tl.float32), axis=0)
+    for c in range(0, N_CHUNKS):
+        acc += tl.load(part_ptr + ((c * tl.num_programs(1) + b) * H + h) * D + cols)
     mean = tl.math.div_rn(acc, tl.full((D,), 1.0, tl.float32) * L)
     tl.store(mean_ptr + (b * H + h) * D + cols, mean)
 
@@ -186,11 +202,14 @@ class DualQuantized:
     lo_token_scale: torch.Tensor | None  # float32 [B, L, H] for nvfp4
 
 
-def channel_mean(x: torch.Tensor, block_t: int = 64) -> torch.Tensor:
-    """Float32 mean of ``x [B, L, H, D]`` over L, shape ``[B, H, D]``."""
+def channel_mean(x: torch.Tensor, chunk: int = 512, block_t: int = 64) -> torch.Tensor:
+    """Float32 mean of ``x [B, L, H, D]`` over L, shape ``[B, H, D]`` (deterministic)."""
     b, l, h, d = x.shape
+    n_chunks = triton.cdiv(l, chunk)
+    parts = torch.empty((n_chunks, b, h, d), dtype=torch.float32, device=x.device)
+    _channel_sum_kernel[(n_chunks, h, b)](x, parts, l, h, chunk, D=d, BLOCK_T=block_t)
     mean = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
-    _channel_mean_kernel[(h, b)](x, mean, l, h, D=d, BLOCK_T=block_t)
+    _channel_mean_kernel[(h, b)](parts, mean, l, h, n_chunks, D=d)
     return mean
 
 
@@ -202,6 +221,7 @@ def dual_quantize(
     fold: float = 1.0,
     mean: torch.Tensor | None = None,
     block_t: int = 32,
+    num_warps: int = 4,
 ) -> DualQuantized:
     """Quantize ``(x - mean) * fold`` into ``high`` and ``low`` in one launch.
 
@@ -229,6 +249,6 @@ def dual_quantize(
         D=d, BLOCK_T=block_t, SMOOTH=mean is not None,
         HI_E=hi[0], HI_M=hi[1], HI_EMIN=hi[2], HI_EMAX=hi[3], HI_MAX=hi[4], HI_BLOCK=hi[5],
         LO_E=lo[0], LO_M=lo[1], LO_EMIN=lo[2], LO_EMAX=lo[3], LO_MAX=lo[4], LO_BLOCK=lo[5],
-        LO_NVFP4=low == "nvfp4",
+        LO_NVFP4=low == "nvfp4", num_warps=num_warps,
     )
     return out
