@@ -59,7 +59,7 @@ def main() -> None:
               f"{row['nvfp4_GBps'] / row['copy_GBps']:.2f} | {row['mxfp4_GBps']:.0f} | "
               f"{row['mxfp4_GBps'] / row['copy_GBps']:.2f} |")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "quantize_gpu.json")
+    path = os.path.join(args.out, "quantize_h200.json" if "H200" in torch.cuda.get_device_name() else "quantize_gpu.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(),
                    "device": torch.cuda.get_device_name(), "triton": triton.__version__,

@@ -202,7 +202,7 @@ class DualQuantized:
     lo_token_scale: torch.Tensor | None  # float32 [B, L, H] for nvfp4
 
 
-def channel_mean(x: torch.Tensor, chunk: int = 512, block_t: int = 64) -> torch.Tensor:
+def channel_mean(x: torch.Tensor, chunk: int = 256, block_t: int = 64) -> torch.Tensor:
     """Float32 mean of ``x [B, L, H, D]`` over L, shape ``[B, H, D]`` (deterministic)."""
     b, l, h, d = x.shape
     n_chunks = triton.cdiv(l, chunk)
@@ -220,7 +220,7 @@ def dual_quantize(
     low: str = "nvfp4",
     fold: float = 1.0,
     mean: torch.Tensor | None = None,
-    block_t: int = 32,
+    block_t: int = 16,
     num_warps: int = 4,
 ) -> DualQuantized:
     """Quantize ``(x - mean) * fold`` into ``high`` and ``low`` in one launch.
