@@ -3,6 +3,10 @@
 Runs under TRITON_INTERPRET=1 on CPU (conftest) and natively on a GPU.
 """
 
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,3 +98,9 @@ def test_format_tables_agree():
     for name, (e, m, emin, emax, vmax, block) in FORMATS.items():
         f = JAX_FORMATS[name]
         assert (f.exp_bits, f.man_bits, f.emin, f.emax, f.max_value, f.block) == (e, m, emin, emax, vmax, block)
+
+
+def test_triton_kernels_never_import_jax():
+    code = "import sys, triton_kernels.quantize; sys.exit('jax' in sys.modules)"
+    root = pathlib.Path(__file__).parents[1]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0

@@ -30,7 +30,6 @@ FORMATS = {
     "mxfp4": (2, 1, 0, 2, 6.0, 32),
     "nvfp4": (2, 1, 0, 2, 6.0, 16),
 }
-NVFP4_TOKEN_DIVISOR = 2688.0
 
 
 @triton.jit
@@ -94,6 +93,7 @@ def _quantize_tile(
     xb = tl.reshape(x, (BLOCK_T, NB, BLOCK))
     amax = _abs_max(xb, 2)  # [T, NB]
     if NVFP4:
+        # NVFP4 per-token scale: the token amax maps onto 6 (E2M1 max) x 448 (E4M3 max).
         s2 = tl.math.div_rn(_abs_max(x, 1), tl.full((BLOCK_T,), 2688.0, tl.float32))
         s2 = tl.where(s2 == 0, 1.0, s2)
         sb_f = tl.math.div_rn(amax, 6.0 * s2[:, None])
