@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .mx import abs_max, element_code, exponent, pow2, round_to_element
+
 # Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
 # Kept in step with dma_jax.formats.FORMATS (a test checks it).
 FORMATS = {
@@ -30,51 +32,6 @@ FORMATS = {
     "mxfp4": (2, 1, 0, 2, 6.0, 32),
     "nvfp4": (2, 1, 0, 2, 6.0, 16),
 }
-
-
-@triton.jit
-def _pow2(e):
-    """Exact float32 2**e for integer e in [-126, 127]."""
-    return ((e + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exponent(a):
-    """floor(log2(a)) for normal positive float32 a; -127 for zero."""
-    return ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
-
-
-@triton.jit
-def _abs_max(x, axis: tl.constexpr):
-    """max |x| along axis, NaN if any element is NaN (as jnp.max)."""
-    a = tl.abs(x)
-    has_nan = tl.max((a != a).to(tl.int32), axis=axis) > 0
-    return tl.where(has_nan, float("nan"), tl.max(a, axis=axis))
-
-
-@triton.jit
-def _round_to_element(v, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, MAX_VALUE: tl.constexpr):
-    """Nearest element value of finite v, ties to even, saturating; keeps -0."""
-    c = tl.minimum(tl.maximum(v, -MAX_VALUE), MAX_VALUE)
-    e = tl.maximum(_exponent(tl.abs(c)), EMIN)
-    scaled = c * _pow2(MAN_BITS - e)  # exact; |scaled| < 2^(MAN_BITS + 1)
-    # Adding and subtracting 1.5 * 2^23 rounds to an integer, half to even.
-    magic = 12582912.0
-    r = ((scaled + magic) - magic) * _pow2(e - MAN_BITS)
-    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
-    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _element_code(r, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.constexpr):
-    """Bit pattern (int32) of an exactly representable element value r."""
-    bits = r.to(tl.uint32, bitcast=True)
-    a = tl.abs(r)
-    bias: tl.constexpr = (1 << (EXP_BITS - 1)) - 1
-    normal = ((_exponent(a) + bias) << MAN_BITS) | ((bits >> (23 - MAN_BITS)) & ((1 << MAN_BITS) - 1)).to(tl.int32)
-    subnormal = (a * _pow2(tl.full(a.shape, MAN_BITS - EMIN, tl.int32))).to(tl.int32)
-    code = tl.where(a >= _pow2(tl.full(a.shape, EMIN, tl.int32)), normal, subnormal)
-    return code | ((bits >> 31).to(tl.int32) << (EXP_BITS + MAN_BITS))
 
 
 @triton.jit
@@ -91,14 +48,14 @@ def _quantize_tile(
     """
     NB: tl.constexpr = D // BLOCK
     xb = tl.reshape(x, (BLOCK_T, NB, BLOCK))
-    amax = _abs_max(xb, 2)  # [T, NB]
+    amax = abs_max(xb, 2)  # [T, NB]
     if NVFP4:
         # NVFP4 per-token scale: the token amax maps onto 6 (E2M1 max) x 448 (E4M3 max).
-        s2 = tl.math.div_rn(_abs_max(x, 1), tl.full((BLOCK_T,), 2688.0, tl.float32))
+        s2 = tl.math.div_rn(abs_max(x, 1), tl.full((BLOCK_T,), 2688.0, tl.float32))
         s2 = tl.where(s2 == 0, 1.0, s2)
         sb_f = tl.math.div_rn(amax, 6.0 * s2[:, None])
         finite = (sb_f == sb_f) & (tl.abs(sb_f) < float("inf"))
-        sb = _round_to_element(tl.where(finite, sb_f, 0.0), 3, -6, 448.0)
+        sb = round_to_element(tl.where(finite, sb_f, 0.0), 3, -6, 448.0)
         usable = finite & (sb > 0)
         sb_b = tl.where(usable, sb, 1.0)[:, :, None]
         xs = tl.math.div_rn(xb, tl.broadcast_to(s2[:, None, None], (BLOCK_T, NB, BLOCK)))
@@ -108,16 +65,16 @@ def _quantize_tile(
         zero = tl.where(xb == xb, zero, 0.0)
         v = tl.where(usable[:, :, None], v, zero)
         v = tl.where((v == v) & (tl.abs(v) < float("inf")), v, 0.0)
-        scale_code = tl.where(finite, _element_code(sb, 4, 3, -6), 0x7F)
+        scale_code = tl.where(finite, element_code(sb, 4, 3, -6), 0x7F)
         tl.store(token_ptr + rows, s2, mask=mask)
     else:
         finite = (amax == amax) & (amax < float("inf"))
-        e = tl.minimum(tl.maximum(_exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
+        e = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
         # Multiply by 2^-e: -e lies in [-125, 127], so the factor is a normal float.
-        v = tl.where(finite[:, :, None], xb * _pow2(-e)[:, :, None], 0.0)
+        v = tl.where(finite[:, :, None], xb * pow2(-e)[:, :, None], 0.0)
         scale_code = tl.where(finite, e + 127, 255)
-    r = _round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
-    codes = tl.reshape(_element_code(r, EXP_BITS, MAN_BITS, EMIN), (BLOCK_T, D))
+    r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
+    codes = tl.reshape(element_code(r, EXP_BITS, MAN_BITS, EMIN), (BLOCK_T, D))
     sblk = tl.arange(0, NB)
     tl.store(scales_ptr + rows[:, None] * NB + sblk[None, :], scale_code.to(tl.uint8), mask=mask[:, None])
     if EXP_BITS + MAN_BITS == 3:
@@ -132,9 +89,8 @@ def _quantize_tile(
 
 @triton.jit
 def _dual_quantize_kernel(
-    x_ptr, mean_ptr,
+    x_ptr, mean_ptr, fold, L, H,
     hi_codes, hi_scales, lo_codes, lo_scales, lo_token,
-    fold, L, H,
     D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr,
     HI_E: tl.constexpr, HI_M: tl.constexpr, HI_EMIN: tl.constexpr, HI_EMAX: tl.constexpr,
     HI_MAX: tl.constexpr, HI_BLOCK: tl.constexpr,
@@ -162,7 +118,7 @@ def _dual_quantize_kernel(
 
 
 @triton.jit
-def _channel_sum_kernel(x_ptr, part_ptr, L, H, CHUNK, D: tl.constexpr, BLOCK_T: tl.constexpr):
+def _channel_sum_kernel(x_ptr, L, H, CHUNK, part_ptr, D: tl.constexpr, BLOCK_T: tl.constexpr):
     """Partial sums over one CHUNK of tokens of x [B, L, H, D], per (head, batch).
 
     A grid over chunks keeps every SM busy; partials land in [chunks, B, H, D]
@@ -180,7 +136,7 @@ def _channel_sum_kernel(x_ptr, part_ptr, L, H, CHUNK, D: tl.constexpr, BLOCK_T: 
 
 
 @triton.jit
-def _channel_mean_kernel(part_ptr, mean_ptr, L, H, N_CHUNKS, D: tl.constexpr):
+def _channel_mean_kernel(part_ptr, L, H, N_CHUNKS, mean_ptr, D: tl.constexpr):
     """mean = (sum of the partials, in chunk order) / L, per (head, batch)."""
     h, b = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, D)
@@ -202,14 +158,59 @@ class DualQuantized:
     lo_token_scale: torch.Tensor | None  # float32 [B, L, H] for nvfp4
 
 
-def channel_mean(x: torch.Tensor, chunk: int = 256, block_t: int = 64) -> torch.Tensor:
+# Launch settings (measured on the H200, see NOTES.md). Kernel parameters are
+# ordered inputs and scalars first, then outputs, then constexprs: the order
+# jax-triton uses, so the torch launchers and the JAX lowering share one kernel.
+QUANTIZE_BLOCK_T = 16
+QUANTIZE_WARPS = 4
+MEAN_CHUNK = 256
+MEAN_BLOCK_T = 64
+
+
+def mean_launches(shape: tuple[int, ...], chunk: int = MEAN_CHUNK):
+    """(grid, partial-sum shape) of the two smooth-K mean launches for x ``[B, L, H, D]``."""
+    b, l, h, d = shape
+    n_chunks = triton.cdiv(l, chunk)
+    return (n_chunks, h, b), (h, b), (n_chunks, b, h, d), n_chunks
+
+
+def quantize_meta(head_dim: int, high: str, low: str, smooth: bool, block_t: int = QUANTIZE_BLOCK_T) -> dict:
+    """Constexpr arguments of ``_dual_quantize_kernel``."""
+    hi, lo = FORMATS[high], FORMATS[low]
+    return dict(
+        D=head_dim, BLOCK_T=block_t, SMOOTH=smooth,
+        HI_E=hi[0], HI_M=hi[1], HI_EMIN=hi[2], HI_EMAX=hi[3], HI_MAX=hi[4], HI_BLOCK=hi[5],
+        LO_E=lo[0], LO_M=lo[1], LO_EMIN=lo[2], LO_EMAX=lo[3], LO_MAX=lo[4], LO_BLOCK=lo[5],
+        LO_NVFP4=low == "nvfp4",
+    )
+
+
+def quantize_outputs(shape: tuple[int, ...], high: str, low: str) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype name) of the five outputs: hi codes, hi scales, lo codes,
+    lo scales, lo per-token scale (written for nvfp4 only)."""
+    b, l, h, d = shape
+    return [
+        ((b, l, h, d), "uint8"),
+        ((b, l, h, d // FORMATS[high][5]), "uint8"),
+        ((b, l, h, d // 2), "uint8"),
+        ((b, l, h, d // FORMATS[low][5]), "uint8"),
+        ((b, l, h), "float32"),
+    ]
+
+
+def quantize_grid(shape: tuple[int, ...], block_t: int = QUANTIZE_BLOCK_T) -> tuple[int, int, int]:
+    b, l, h, _ = shape
+    return (triton.cdiv(l, block_t), h, b)
+
+
+def channel_mean(x: torch.Tensor, chunk: int = MEAN_CHUNK) -> torch.Tensor:
     """Float32 mean of ``x [B, L, H, D]`` over L, shape ``[B, H, D]`` (deterministic)."""
     b, l, h, d = x.shape
-    n_chunks = triton.cdiv(l, chunk)
-    parts = torch.empty((n_chunks, b, h, d), dtype=torch.float32, device=x.device)
-    _channel_sum_kernel[(n_chunks, h, b)](x, parts, l, h, chunk, D=d, BLOCK_T=block_t)
+    grid_sum, grid_mean, part_shape, n_chunks = mean_launches(x.shape, chunk)
+    parts = torch.empty(part_shape, dtype=torch.float32, device=x.device)
+    _channel_sum_kernel[grid_sum](x, l, h, chunk, parts, D=d, BLOCK_T=MEAN_BLOCK_T)
     mean = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
-    _channel_mean_kernel[(h, b)](parts, mean, l, h, n_chunks, D=d)
+    _channel_mean_kernel[grid_mean](parts, l, h, n_chunks, mean, D=d)
     return mean
 
 
@@ -220,8 +221,8 @@ def dual_quantize(
     low: str = "nvfp4",
     fold: float = 1.0,
     mean: torch.Tensor | None = None,
-    block_t: int = 16,
-    num_warps: int = 4,
+    block_t: int = QUANTIZE_BLOCK_T,
+    num_warps: int = QUANTIZE_WARPS,
 ) -> DualQuantized:
     """Quantize ``(x - mean) * fold`` into ``high`` and ``low`` in one launch.
 
@@ -231,24 +232,10 @@ def dual_quantize(
     if not x.is_contiguous():
         raise ValueError("dual_quantize needs a contiguous [B, L, H, D] tensor")
     b, l, h, d = x.shape
-    hi, lo = FORMATS[high], FORMATS[low]
-    dev = x.device
-    out = DualQuantized(
-        hi_codes=torch.empty((b, l, h, d), dtype=torch.uint8, device=dev),
-        hi_scales=torch.empty((b, l, h, d // hi[5]), dtype=torch.uint8, device=dev),
-        lo_codes=torch.empty((b, l, h, d // 2), dtype=torch.uint8, device=dev),
-        lo_scales=torch.empty((b, l, h, d // lo[5]), dtype=torch.uint8, device=dev),
-        lo_token_scale=torch.empty((b, l, h), dtype=torch.float32, device=dev) if low == "nvfp4" else None,
+    outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=x.device)
+            for shape, dtype in quantize_outputs(x.shape, high, low)]
+    _dual_quantize_kernel[quantize_grid(x.shape, block_t)](
+        x, mean if mean is not None else x, float(torch.tensor(fold, dtype=torch.float32)), l, h,
+        *outs, **quantize_meta(d, high, low, mean is not None, block_t), num_warps=num_warps,
     )
-    token = out.lo_token_scale if out.lo_token_scale is not None else out.lo_scales
-    grid = (triton.cdiv(l, block_t), h, b)
-    _dual_quantize_kernel[grid](
-        x, mean if mean is not None else x,
-        out.hi_codes, out.hi_scales, out.lo_codes, out.lo_scales, token,
-        float(torch.tensor(fold, dtype=torch.float32)), l, h,
-        D=d, BLOCK_T=block_t, SMOOTH=mean is not None,
-        HI_E=hi[0], HI_M=hi[1], HI_EMIN=hi[2], HI_EMAX=hi[3], HI_MAX=hi[4], HI_BLOCK=hi[5],
-        LO_E=lo[0], LO_M=lo[1], LO_EMIN=lo[2], LO_EMAX=lo[3], LO_MAX=lo[4], LO_BLOCK=lo[5],
-        LO_NVFP4=low == "nvfp4", num_warps=num_warps,
-    )
-    return out
+    return DualQuantized(*outs[:4], lo_token_scale=outs[4] if low == "nvfp4" else None)

@@ -1,0 +1,33 @@
+"""DMA attention on torch tensors: smooth-K mean, dual quantization of Q and K, the kernel.
+
+Four launches (mean partials, mean, quantize Q, quantize K) and one attention
+launch. The JAX front end (``dma_jax.kernels``) issues the same launches
+through jax-triton. This module never imports JAX.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .attention import mx_attention
+from .quantize import channel_mean, dual_quantize
+
+
+def softmax_fold(sm_scale: float) -> float:
+    """The float32 factor ``sm_scale · log2(e)`` folded into Q (DESIGN.md §3.2)."""
+    return float(torch.tensor(sm_scale * math.log2(math.e), dtype=torch.float32))
+
+
+def dma_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    causal: bool, q_offset: int, diag_tiles: int, sink_tiles: int,
+    high: str, low: str, smooth_k: bool, sm_scale: float,
+) -> torch.Tensor:
+    """DMA on contiguous ``q [B, Lq, HQ, D]``, ``k, v [B, Lk, HKV, D]`` (checked by the caller)."""
+    mean = channel_mean(k) if smooth_k else None
+    q8 = dual_quantize(q, high=high, low=low, fold=softmax_fold(sm_scale))
+    k8 = dual_quantize(k, high=high, low=low, mean=mean)
+    return mx_attention(q8, k8, v, q_len=q.shape[1], causal=causal, q_offset=q_offset,
+                        diag=diag_tiles, sink=sink_tiles, high=high, low=low)

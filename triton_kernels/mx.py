@@ -1,0 +1,92 @@
+"""MX / NVFP4 element arithmetic shared by the Triton kernels (encode and decode).
+
+Everything is integer bit manipulation or exact float32 arithmetic, so the kernels
+reproduce ``dma_jax.formats`` bit for bit (DESIGN.md §3.1).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pow2(e):
+    """Exact float32 2**e for integer e in [-126, 127]."""
+    return ((e + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exponent(a):
+    """floor(log2(a)) for normal positive float32 a; -127 for zero."""
+    return ((a.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+
+
+@triton.jit
+def abs_max(x, axis: tl.constexpr):
+    """max |x| along axis, NaN if any element is NaN (as jnp.max)."""
+    a = tl.abs(x)
+    has_nan = tl.max((a != a).to(tl.int32), axis=axis) > 0
+    return tl.where(has_nan, float("nan"), tl.max(a, axis=axis))
+
+
+@triton.jit
+def round_to_element(v, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, MAX_VALUE: tl.constexpr):
+    """Nearest element value of finite v, ties to even, saturating; keeps -0."""
+    c = tl.minimum(tl.maximum(v, -MAX_VALUE), MAX_VALUE)
+    e = tl.maximum(exponent(tl.abs(c)), EMIN)
+    scaled = c * pow2(MAN_BITS - e)  # exact; |scaled| < 2^(MAN_BITS + 1)
+    # Adding and subtracting 1.5 * 2^23 rounds to an integer, half to even.
+    magic = 12582912.0
+    r = ((scaled + magic) - magic) * pow2(e - MAN_BITS)
+    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def element_code(r, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.constexpr):
+    """Bit pattern (int32) of an exactly representable element value r."""
+    bits = r.to(tl.uint32, bitcast=True)
+    a = tl.abs(r)
+    bias: tl.constexpr = (1 << (EXP_BITS - 1)) - 1
+    normal = ((exponent(a) + bias) << MAN_BITS) | ((bits >> (23 - MAN_BITS)) & ((1 << MAN_BITS) - 1)).to(tl.int32)
+    subnormal = (a * pow2(tl.full(a.shape, MAN_BITS - EMIN, tl.int32))).to(tl.int32)
+    code = tl.where(a >= pow2(tl.full(a.shape, EMIN, tl.int32)), normal, subnormal)
+    return code | ((bits >> 31).to(tl.int32) << (EXP_BITS + MAN_BITS))
+
+
+@triton.jit
+def e8m0_value(s):
+    """float32 value 2^(s - 127) of E8M0 scale bytes; byte 255 is NaN."""
+    si = s.to(tl.uint32)
+    bits = tl.where(si == 0, 0x400000, tl.where(si == 255, 0x7FC00000, si << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_value(c, E5M2: tl.constexpr):
+    """float32 value of E4M3 (fn) or E5M2 codes (uint8)."""
+    if E5M2:
+        return c.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        return c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_value(c):
+    """float32 value of E2M1 codes (int32 nibbles): 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives."""
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2(tl.maximum(e - 1, 0)))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+
+@triton.jit
+def round_to_bf16(x):
+    """float32 -> the nearest bf16 value (ties to even), still as float32.
+
+    Triton's interpreter casts float32 to bf16 by truncation (measured with
+    triton 3.9; GPUs round to nearest even), so interpreted kernels round first.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return tl.where(x == x, rounded.to(tl.float32, bitcast=True), x)
