@@ -135,7 +135,8 @@ def _dma_attention_kernel(
     o_ptr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HI_FMT: tl.constexpr, HI_E5M2: tl.constexpr, LO_NV: tl.constexpr,
-    NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    NATIVE_HI: tl.constexpr, NATIVE_LO: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """q codes [B, Lq, HQ, ·], k codes and v [B, Lk, HKV, ·], o [B, Lq, HQ, D]."""
     m, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -145,8 +146,8 @@ def _dma_attention_kernel(
     r = p - q_offset
     row_ok = (r >= 0) & (r < Lq)
     q_rows = ((b * Lq + r) * HQ + h).to(tl.int64)
-    qh_a, qh_s = _load_operand(qh_codes, qh_scales, q_rows, row_ok, D, HI_FMT, HI_E5M2, False, NATIVE, DOT_DTYPE)
-    ql_a, ql_s = _load_operand(ql_codes, ql_scales, q_rows, row_ok, D, "e2m1", False, LO_NV, NATIVE, DOT_DTYPE)
+    qh_a, qh_s = _load_operand(qh_codes, qh_scales, q_rows, row_ok, D, HI_FMT, HI_E5M2, False, NATIVE_HI, DOT_DTYPE)
+    ql_a, ql_s = _load_operand(ql_codes, ql_scales, q_rows, row_ok, D, "e2m1", False, LO_NV, NATIVE_LO, DOT_DTYPE)
     if LO_NV:
         s2q = tl.load(ql_token + q_rows, mask=row_ok, other=1.0)
     else:
@@ -171,17 +172,17 @@ def _dma_attention_kernel(
         b3 = tl.minimum(tl.maximum(b2, tq + diag), end)
     acc, m_i, l_i = _attend_run(acc, m_i, l_i, qh_a, qh_s, s2q, p, kh_codes, kh_scales, kl_token, v_ptr,
                                 b, kvh, Lk, HKV, 0, b1, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                HI_FMT, HI_E5M2, False, NATIVE, DOT_DTYPE, PV_F32, FIX_BF16)
+                                HI_FMT, HI_E5M2, False, NATIVE_HI, DOT_DTYPE, PV_F32, FIX_BF16)
     acc, m_i, l_i = _attend_run(acc, m_i, l_i, ql_a, ql_s, s2q, p, kl_codes, kl_scales, kl_token, v_ptr,
                                 b, kvh, Lk, HKV, b1, b2, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                "e2m1", False, LO_NV, NATIVE, DOT_DTYPE, PV_F32, FIX_BF16)
+                                "e2m1", False, LO_NV, NATIVE_LO, DOT_DTYPE, PV_F32, FIX_BF16)
     acc, m_i, l_i = _attend_run(acc, m_i, l_i, qh_a, qh_s, s2q, p, kh_codes, kh_scales, kl_token, v_ptr,
                                 b, kvh, Lk, HKV, b2, b3, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                HI_FMT, HI_E5M2, False, NATIVE, DOT_DTYPE, PV_F32, FIX_BF16)
+                                HI_FMT, HI_E5M2, False, NATIVE_HI, DOT_DTYPE, PV_F32, FIX_BF16)
     if not CAUSAL:
         acc, m_i, l_i = _attend_run(acc, m_i, l_i, ql_a, ql_s, s2q, p, kl_codes, kl_scales, kl_token, v_ptr,
                                     b, kvh, Lk, HKV, b3, end, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                    "e2m1", False, LO_NV, NATIVE, DOT_DTYPE, PV_F32, FIX_BF16)
+                                    "e2m1", False, LO_NV, NATIVE_LO, DOT_DTYPE, PV_F32, FIX_BF16)
     # Rows without any valid key have l = 0 and output zeros.
     out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
     out = tl.where((l_i != l_i)[:, None], float("nan"), out)  # keep NaN rows NaN
@@ -195,9 +196,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def native_mx(capability: tuple[int, int] | None) -> bool:
-    """Block-scaled MMA exists from sm_100 (Blackwell) on."""
-    return capability is not None and capability[0] >= 10
+def native_formats(capability: tuple[int, int] | None, low: str) -> tuple[bool, bool]:
+    """Whether the (high, low) tiles use ``tl.dot_scaled`` by default.
+
+    Block-scaled MMA exists from sm_100 (Blackwell) on. NVFP4 tiles compile to
+    ``tcgen05.mma ... kind::mxf4nvf4.block_scale.block16``, but Triton's
+    interpreter treats every scale as E8M0, so that path has not been checked
+    against the reference anywhere yet: until it runs on a B200, NVFP4 tiles
+    take the exact decode path unless ``native=True`` is asked for.
+    """
+    blackwell = capability is not None and capability[0] >= 10
+    return blackwell, blackwell and low == "mxfp4"
 
 
 def query_tiles(q_len: int, q_offset: int) -> tuple[int, int]:
@@ -207,13 +216,13 @@ def query_tiles(q_len: int, q_offset: int) -> tuple[int, int]:
     return -(-(q_offset + q_len) // TILE) - tile0, tile0
 
 
-def attention_meta(head_dim: int, *, causal: bool, high: str, low: str, native: bool,
+def attention_meta(head_dim: int, *, causal: bool, high: str, low: str, native: tuple[bool, bool],
                    v_dtype_is_f32: bool, interpret: bool) -> dict:
-    """Constexpr arguments of ``_dma_attention_kernel``."""
+    """Constexpr arguments of ``_dma_attention_kernel``; ``native``: (high, low) tiles."""
     return dict(
         D=head_dim, BLOCK_M=TILE, BLOCK_N=BLOCK_N, CAUSAL=causal,
         HI_FMT="e5m2" if high == "mxfp8_e5m2" else "e4m3", HI_E5M2=high == "mxfp8_e5m2",
-        LO_NV=low == "nvfp4", NATIVE=native,
+        LO_NV=low == "nvfp4", NATIVE_HI=native[0], NATIVE_LO=native[1],
         DOT_DTYPE=tl.float32 if interpret else tl.bfloat16,
         PV_F32=v_dtype_is_f32 or interpret, FIX_BF16=interpret,
     )
@@ -221,9 +230,13 @@ def attention_meta(head_dim: int, *, causal: bool, high: str, low: str, native: 
 
 def mx_attention(
     q8, k8, v: torch.Tensor, *, q_len: int, causal: bool, q_offset: int, diag: int, sink: int,
-    high: str, low: str, num_warps: int = 8, num_stages: int = 2,
+    high: str, low: str, native: bool | None = None, num_warps: int = 8, num_stages: int = 2,
 ) -> torch.Tensor:
-    """Launch the kernel on ``DualQuantized`` Q and K copies and V ``[B, Lk, HKV, D]``."""
+    """Launch the kernel on ``DualQuantized`` Q and K copies and V ``[B, Lk, HKV, D]``.
+
+    ``native=True/False`` forces ``tl.dot_scaled`` on or off for every tile;
+    ``None`` chooses by GPU (:func:`native_formats`).
+    """
     b, kv_len, hkv, d = v.shape
     hq = q8.hi_codes.shape[2]
     n_m, tile0 = query_tiles(q_len, q_offset)
@@ -236,7 +249,8 @@ def mx_attention(
         q8.hi_codes, q8.hi_scales, q8.lo_codes, q8.lo_scales, q_token,
         k8.hi_codes, k8.hi_scales, k8.lo_codes, k8.lo_scales, k_token,
         v, q_len, kv_len, hq, hkv, q_offset, tile0, diag, sink, out,
-        **attention_meta(d, causal=causal, high=high, low=low, native=native_mx(cap),
+        **attention_meta(d, causal=causal, high=high, low=low,
+                         native=native_formats(cap, low) if native is None else (native, native),
                          v_dtype_is_f32=v.dtype == torch.float32, interpret=interpret),
         num_warps=num_warps, num_stages=num_stages,
     )

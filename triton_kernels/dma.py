@@ -23,11 +23,11 @@ def softmax_fold(sm_scale: float) -> float:
 def dma_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     causal: bool, q_offset: int, diag_tiles: int, sink_tiles: int,
-    high: str, low: str, smooth_k: bool, sm_scale: float,
+    high: str, low: str, smooth_k: bool, sm_scale: float, native: bool | None = None,
 ) -> torch.Tensor:
     """DMA on contiguous ``q [B, Lq, HQ, D]``, ``k, v [B, Lk, HKV, D]`` (checked by the caller)."""
     mean = channel_mean(k) if smooth_k else None
     q8 = dual_quantize(q, high=high, low=low, fold=softmax_fold(sm_scale))
     k8 = dual_quantize(k, high=high, low=low, mean=mean)
     return mx_attention(q8, k8, v, q_len=q.shape[1], causal=causal, q_offset=q_offset,
-                        diag=diag_tiles, sink=sink_tiles, high=high, low=low)
+                        diag=diag_tiles, sink=sink_tiles, high=high, low=low, native=native)

@@ -1,0 +1,166 @@
+"""The Triton DMA kernel against dma_jax.reference_attention.
+
+On CPU the kernel runs in Triton's interpreter (conftest); on a GPU natively.
+Tolerances: fp16 inputs ≤ 2e-3 relative L2. bf16 keeps 8 significant bits, and a
+flash kernel rounds P relative to its running row max while the reference
+rounds it relative to the final max: two bf16 roundings of P and of the output
+put bf16 agreement at 1–2.5e-3, so bf16 cases allow 4e-3.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import triton
+
+from dma_jax import DMAConfig, reference_attention
+from dma_jax.config import ALL_TILES
+from triton_kernels.dma import dma_attention
+
+import oracle
+from conftest import HAS_CUDA
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+JAX_DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def make(seed, b, lq, lk, hq, hkv, d, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, lq, hq, d, generator=g)
+    q[..., :2] *= 5.0  # outlier channels
+    k = torch.randn(b, lk, hkv, d, generator=g) + 2.0 * torch.randn(1, 1, hkv, d, generator=g)
+    v = torch.randn(b, lk, hkv, d, generator=g)
+    return [x.to(TORCH_DTYPES[dtype]) for x in (q, k, v)]
+
+
+def kernel_vs_reference(q, k, v, *, causal, config, q_offset=None, native=None):
+    lq, lk, d = q.shape[1], k.shape[1], q.shape[3]
+    offset = lk - lq if q_offset is None else q_offset
+    out = dma_attention(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal, q_offset=offset,
+        diag_tiles=config.diag_tiles, sink_tiles=config.sink_tiles, high=config.high,
+        low=config.low, smooth_k=config.smooth_k, sm_scale=config.softmax_scale(d), native=native,
+    ).float().cpu().numpy()
+    with jax.default_device(jax.devices("cpu")[0]):
+        args = [jnp.asarray(x.float().numpy()).astype(JAX_DTYPES["bf16" if q.dtype == torch.bfloat16 else "fp16"])
+                for x in (q, k, v)]
+        ref = np.asarray(reference_attention(*args, causal=causal, config=config, q_offset=q_offset), np.float32)
+    return out, ref
+
+
+CASES = [
+    # (b, lq, lk, hq, hkv, d, causal, diag, sink)
+    (1, 1, 1, 2, 1, 64, True, 1, 1),
+    (1, 127, 127, 2, 2, 128, True, 1, 1),
+    (1, 128, 128, 3, 1, 64, False, 1, 1),
+    (2, 300, 300, 9, 3, 64, True, 1, 1),
+    (1, 300, 300, 9, 3, 128, False, 2, 1),
+    (1, 1000, 1000, 2, 1, 64, True, 1, 1),
+    (1, 1000, 1000, 2, 2, 128, False, 0, 0),
+    (1, 200, 1000, 2, 1, 128, True, 2, 1),
+    (1, 129, 300, 32, 8, 64, True, 1, 1),
+    (1, 300, 300, 4, 1, 64, True, 0, 0),
+    (1, 300, 300, 4, 1, 64, True, ALL_TILES, 1),
+    (1, 300, 300, 4, 1, 64, False, ALL_TILES, 0),
+    (1, 1, 385, 2, 1, 128, True, 1, 1),
+]
+
+
+@pytest.mark.parametrize("b,lq,lk,hq,hkv,d,causal,diag,sink", CASES)
+def test_kernel_matches_reference_fp16(b, lq, lk, hq, hkv, d, causal, diag, sink):
+    q, k, v = make(lq + lk, b, lq, lk, hq, hkv, d, "fp16")
+    cfg = DMAConfig(diag_tiles=diag, sink_tiles=sink)
+    out, ref = kernel_vs_reference(q, k, v, causal=causal, config=cfg)
+    assert out.shape == ref.shape
+    assert oracle.rel_l2(out, ref) <= 2e-3
+
+
+@pytest.mark.parametrize("low,high", [("nvfp4", "mxfp8_e4m3"), ("mxfp4", "mxfp8_e5m2")])
+@pytest.mark.parametrize("causal", [True, False])
+def test_kernel_matches_reference_bf16(low, high, causal):
+    q, k, v = make(3, 1, 300, 300, 4, 2, 128, "bf16")
+    cfg = DMAConfig(low=low, high=high, sm_scale=0.1)
+    out, ref = kernel_vs_reference(q, k, v, causal=causal, config=cfg)
+    assert oracle.rel_l2(out, ref) <= 4e-3
+
+
+@pytest.mark.parametrize("causal,q_offset", [(True, 40), (False, -50), (False, 200)])
+def test_explicit_q_offset(causal, q_offset):
+    q, k, v = make(4, 1, 150, 300, 2, 1, 64, "fp16")
+    out, ref = kernel_vs_reference(q, k, v, causal=causal, config=DMAConfig(), q_offset=q_offset)
+    assert oracle.rel_l2(out, ref) <= 2e-3
+
+
+def test_rows_without_valid_keys_are_zero():
+    q, k, v = make(5, 1, 200, 100, 2, 1, 64, "fp16")
+    out, ref = kernel_vs_reference(q, k, v, causal=True, config=DMAConfig(), q_offset=-130)
+    assert (out[:, :130] == 0).all()
+    assert oracle.rel_l2(out, ref) <= 2e-3
+
+
+def test_nan_propagates_to_its_rows():
+    q, k, v = make(6, 1, 130, 130, 2, 1, 64, "fp16")
+    q[0, 7, 1, 3] = float("nan")
+    out, _ = kernel_vs_reference(q, k, v, causal=True, config=DMAConfig())
+    assert np.isnan(out[0, 7, 1]).all()
+    mask = np.ones(out.shape[:3], bool)
+    mask[0, 7, 1] = False
+    assert np.isfinite(out[mask]).all()
+
+
+@pytest.mark.parametrize("diag,sink", [(1, 1), (0, 0), (2, 1)])
+def test_native_dot_scaled_mx_path(diag, sink):
+    """tl.dot_scaled (the sm_100 path) on MXFP8 + MXFP4 tiles, run by the interpreter
+    here (on sm_90 it is emulated). NVFP4's E4M3 block scales are not modelled by the
+    interpreter, so NVFP4 native tiles are off by default (triton_kernels.attention)."""
+    q, k, v = make(7, 1, 300, 300, 2, 1, 128, "fp16")
+    cfg = DMAConfig(low="mxfp4", diag_tiles=diag, sink_tiles=sink)
+    out, ref = kernel_vs_reference(q, k, v, causal=True, config=cfg, native=True)
+    assert oracle.rel_l2(out, ref) <= 2e-3
+
+
+SM100_PTX = """
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton_kernels.attention import _dma_attention_kernel, attention_meta
+
+low, native_low = sys.argv[1], sys.argv[2] == "1"
+types = {"*u8": ["qh_codes", "qh_scales", "ql_codes", "ql_scales", "kh_codes", "kh_scales", "kl_codes", "kl_scales"],
+         "*fp32": ["ql_token", "kl_token"], "*bf16": ["v_ptr", "o_ptr"],
+         "i32": ["Lq", "Lk", "HQ", "HKV", "q_offset", "tile0", "diag", "sink"]}
+signature = {name: ty for ty, names in types.items() for name in names}
+meta = attention_meta(128, causal=True, high="mxfp8_e4m3", low=low, native=(True, native_low),
+                      v_dtype_is_f32=False, interpret=False)
+signature.update({name: "constexpr" for name in meta})
+src = ASTSource(fn=_dma_attention_kernel, signature=signature, constexprs=meta)
+ptx = triton.compile(src, target=GPUTarget("cuda", 100, 32)).asm["ptx"]
+print(sorted(set(re.findall(r"tcgen05[.]mma[.]cta_group::1[.]kind::([a-z0-9]+)[.]block_scale[.]([a-z0-9]+)", ptx))))
+"""
+
+
+def _sm100_mma_kinds(low: str, native_low: bool) -> str:
+    # A compiled (not interpreted) kernel is needed: run without TRITON_INTERPRET.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = pathlib.Path(__file__).parents[1]
+    done = subprocess.run([sys.executable, "-c", SM100_PTX, low, "1" if native_low else "0"],
+                          cwd=root, env=env, capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+@pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9),
+                    reason="AOT compilation for sm_100 needs triton >= 3.9 (the device image has 3.6)")
+def test_sm100_ptx_uses_block_scaled_tcgen05_mma():
+    """Without a GPU: compile for B200 (sm_100) and look for the block-scaled MMAs."""
+    kinds = _sm100_mma_kinds("mxfp4", True)
+    assert "('mxf8f6f4', 'block32')" in kinds  # the MXFP8 tiles
+    assert "('mxf4', 'block32')" in kinds  # the MXFP4 tiles
+    assert "('mxf4nvf4', 'block16')" in _sm100_mma_kinds("nvfp4", True)  # NVFP4 tiles, forced native
