@@ -4,6 +4,8 @@ from .config import DMAConfig
 from .formats import FORMATS, Quantized, dequantize, quantize
 from .primitive import attention
 from .reference import exact_attention, reference_attention
+from .torch_frontend import torch_attention
+from . import bridge
 
 __all__ = [
     "DMAConfig",
@@ -14,5 +16,7 @@ __all__ = [
     "exact_attention",
     "quantize",
     "reference_attention",
+    "torch_attention",
+    "bridge",
 ]
 __version__ = "0.1.0"

@@ -1,8 +1,8 @@
 """`dma_jax.attention`: DMA as a JAX primitive.
 
-The primitive ``dma_attention`` has an abstract evaluation rule, a default
-lowering through the jnp reference (used on CPU and on any platform without a
-dedicated kernel), a batching rule that folds vmapped axes into the batch axis,
+The primitive ``dma_attention`` has an abstract evaluation rule, a CUDA
+lowering through the Triton kernels (jax-triton), a default lowering through
+the jnp reference (CPU and any other platform), a batching rule that folds vmapped axes into the batch axis,
 and differentiation rules that raise: DMA is an inference-only forward pass.
 """
 
@@ -36,6 +36,18 @@ def _reference_lowering(q, k, v, *, causal, config, q_offset):
 
 mlir.register_lowering(
     dma_attention_p, mlir.lower_fun(_reference_lowering, multiple_results=False)
+)
+
+
+def _triton_lowering(q, k, v, *, causal, config, q_offset):
+    # Imported on first use: Triton, torch and jax-triton load only on GPU machines.
+    
+    return triton_attention(q, k, v, causal=causal, config=config, q_offset=q_offset)
+
+
+# NVIDIA GPUs run the Triton kernels (through jax-triton) instead of the reference.
+mlir.register_lowering(
+    dma_attention_p, mlir.lower_fun(_triton_lowering, multiple_results=False), platform="cuda"
 )
 
 
@@ -78,8 +90,9 @@ def attention(
 ) -> jax.Array:
     """Diagonal-Tiled Mixed-Precision Attention (inference only).
 
-    Works eagerly and inside ``jax.jit`` / ``jax.vmap``. On CPU it runs the jnp
-    reference, which defines the numerics of every backend.
+    Works eagerly and inside ``jax.jit`` / ``jax.vmap``. On NVIDIA GPUs it runs
+    the Triton kernels; elsewhere the jnp reference, which defines the numerics
+    of every backend.
 
     Args:
       q: ``[batch, q_len, q_heads, head_dim]`` in bf16, fp16 or fp32.

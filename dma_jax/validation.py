@@ -12,6 +12,14 @@ SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
+def dtype_name(x: Any) -> str:
+    """'bfloat16', 'float16', ... for numpy/JAX and torch arrays alike."""
+    dtype = x.dtype
+    if type(dtype).__module__.startswith("torch"):
+        return str(dtype).rsplit(".", 1)[-1]
+    return np.dtype(dtype).name
+
+
 def check_attention_inputs(
     q: Any,
     k: Any,
@@ -34,13 +42,13 @@ def check_attention_inputs(
                 f"{name} must have rank 4 [batch, seq_len, heads, head_dim]; "
                 f"got shape {tuple(x.shape)}"
             )
-        if np.dtype(x.dtype).name not in SUPPORTED_DTYPES:
+        if dtype_name(x) not in SUPPORTED_DTYPES:
             raise TypeError(
-                f"{name} must have dtype in {SUPPORTED_DTYPES}; got {np.dtype(x.dtype).name}"
+                f"{name} must have dtype in {SUPPORTED_DTYPES}; got {dtype_name(x)}"
             )
-    if not (q.dtype == k.dtype == v.dtype):
+    if not (dtype_name(q) == dtype_name(k) == dtype_name(v)):
         raise TypeError(
-            f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
+            f"q, k and v must share one dtype; got {dtype_name(q)}, {dtype_name(k)}, {dtype_name(v)}"
         )
     if tuple(k.shape) != tuple(v.shape):
         raise ValueError(

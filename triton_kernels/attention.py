@@ -33,16 +33,18 @@ from .mx import e2m1_value, e8m0_value, fp8_value, round_to_bf16
 
 TILE = 128  # the classification tile of DESIGN.md §3.3, and BLOCK_M
 BLOCK_N = 64  # divides TILE: a key block never straddles two tiles
+NUM_WARPS = 8
+NUM_STAGES = 2
 
 
 @triton.jit
 def _load_operand(codes_ptr, scales_ptr, rows, mask, D: tl.constexpr, FMT: tl.constexpr,
-                  E5M2: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                  E5M2: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr, DOT_F32: tl.constexpr):
     """Load a [R, D] operand of one format for rows ``rows`` (int64).
 
     NATIVE: returns (codes, scales) as ``tl.dot_scaled`` takes them. Otherwise
-    returns (values, 0): codes times block scales in DOT_DTYPE, exactly; NVFP4's
-    per-token factor is left out (applied to the scores).
+    returns (values, 0): codes times block scales, exactly, in bf16 (float32 when
+    DOT_F32); NVFP4's per-token factor is left out (applied to the scores).
     """
     BLOCK: tl.constexpr = 16 if NV else 32
     if NATIVE:
@@ -69,7 +71,10 @@ def _load_operand(codes_ptr, scales_ptr, rows, mask, D: tl.constexpr, FMT: tl.co
             scale = fp8_value(scale_bytes, False)
         else:
             scale = e8m0_value(scale_bytes)
-        return (values * scale).to(DOT_DTYPE), 0
+        if DOT_F32:
+            return values * scale, 0
+        else:
+            return (values * scale).to(tl.bfloat16), 0
 
 
 @triton.jit
@@ -88,7 +93,7 @@ def _attend_run(
     b, kvh, Lk, HKV, tile_lo, tile_hi,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     FMT: tl.constexpr, E5M2: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    DOT_F32: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """Online softmax over key tiles [tile_lo, tile_hi), all in format FMT."""
     cols = tl.arange(0, D)
@@ -96,7 +101,7 @@ def _attend_run(
         t = n0 + tl.arange(0, BLOCK_N)
         t_ok = t < Lk  # keys past kv_len (tile padding) never contribute
         k_rows = ((b * Lk + t) * HKV + kvh).to(tl.int64)
-        ka, ks = _load_operand(k_codes, k_scales, k_rows, t_ok, D, FMT, E5M2, NV, NATIVE, DOT_DTYPE)
+        ka, ks = _load_operand(k_codes, k_scales, k_rows, t_ok, D, FMT, E5M2, NV, NATIVE, DOT_F32)
         s = _scores(qa, qs, ka, ks, FMT, NATIVE)
         if NV:
             s2k = tl.load(k_token + k_rows, mask=t_ok, other=1.0)
@@ -135,7 +140,7 @@ def _dma_attention_kernel(
     o_ptr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HI_FMT: tl.constexpr, HI_E5M2: tl.constexpr, LO_NV: tl.constexpr,
-    NATIVE_HI: tl.constexpr, NATIVE_LO: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    NATIVE_HI: tl.constexpr, NATIVE_LO: tl.constexpr, DOT_F32: tl.constexpr,
     PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """q codes [B, Lq, HQ, ·], k codes and v [B, Lk, HKV, ·], o [B, Lq, HQ, D]."""
@@ -146,8 +151,8 @@ def _dma_attention_kernel(
     r = p - q_offset
     row_ok = (r >= 0) & (r < Lq)
     q_rows = ((b * Lq + r) * HQ + h).to(tl.int64)
-    qh_a, qh_s = _load_operand(qh_codes, qh_scales, q_rows, row_ok, D, HI_FMT, HI_E5M2, False, NATIVE_HI, DOT_DTYPE)
-    ql_a, ql_s = _load_operand(ql_codes, ql_scales, q_rows, row_ok, D, "e2m1", False, LO_NV, NATIVE_LO, DOT_DTYPE)
+    qh_a, qh_s = _load_operand(qh_codes, qh_scales, q_rows, row_ok, D, HI_FMT, HI_E5M2, False, NATIVE_HI, DOT_F32)
+    ql_a, ql_s = _load_operand(ql_codes, ql_scales, q_rows, row_ok, D, "e2m1", False, LO_NV, NATIVE_LO, DOT_F32)
     if LO_NV:
         s2q = tl.load(ql_token + q_rows, mask=row_ok, other=1.0)
     else:
@@ -172,17 +177,17 @@ def _dma_attention_kernel(
         b3 = tl.minimum(tl.maximum(b2, tq + diag), end)
     acc, m_i, l_i = _attend_run(acc, m_i, l_i, qh_a, qh_s, s2q, p, kh_codes, kh_scales, kl_token, v_ptr,
                                 b, kvh, Lk, HKV, 0, b1, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                HI_FMT, HI_E5M2, False, NATIVE_HI, DOT_DTYPE, PV_F32, FIX_BF16)
+                                HI_FMT, HI_E5M2, False, NATIVE_HI, DOT_F32, PV_F32, FIX_BF16)
     acc, m_i, l_i = _attend_run(acc, m_i, l_i, ql_a, ql_s, s2q, p, kl_codes, kl_scales, kl_token, v_ptr,
                                 b, kvh, Lk, HKV, b1, b2, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                "e2m1", False, LO_NV, NATIVE_LO, DOT_DTYPE, PV_F32, FIX_BF16)
+                                "e2m1", False, LO_NV, NATIVE_LO, DOT_F32, PV_F32, FIX_BF16)
     acc, m_i, l_i = _attend_run(acc, m_i, l_i, qh_a, qh_s, s2q, p, kh_codes, kh_scales, kl_token, v_ptr,
                                 b, kvh, Lk, HKV, b2, b3, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                HI_FMT, HI_E5M2, False, NATIVE_HI, DOT_DTYPE, PV_F32, FIX_BF16)
+                                HI_FMT, HI_E5M2, False, NATIVE_HI, DOT_F32, PV_F32, FIX_BF16)
     if not CAUSAL:
         acc, m_i, l_i = _attend_run(acc, m_i, l_i, ql_a, ql_s, s2q, p, kl_codes, kl_scales, kl_token, v_ptr,
                                     b, kvh, Lk, HKV, b3, end, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                    "e2m1", False, LO_NV, NATIVE_LO, DOT_DTYPE, PV_F32, FIX_BF16)
+                                    "e2m1", False, LO_NV, NATIVE_LO, DOT_F32, PV_F32, FIX_BF16)
     # Rows without any valid key have l = 0 and output zeros.
     out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
     out = tl.where((l_i != l_i)[:, None], float("nan"), out)  # keep NaN rows NaN
@@ -223,14 +228,14 @@ def attention_meta(head_dim: int, *, causal: bool, high: str, low: str, native: 
         D=head_dim, BLOCK_M=TILE, BLOCK_N=BLOCK_N, CAUSAL=causal,
         HI_FMT="e5m2" if high == "mxfp8_e5m2" else "e4m3", HI_E5M2=high == "mxfp8_e5m2",
         LO_NV=low == "nvfp4", NATIVE_HI=native[0], NATIVE_LO=native[1],
-        DOT_DTYPE=tl.float32 if interpret else tl.bfloat16,
+        DOT_F32=interpret,
         PV_F32=v_dtype_is_f32 or interpret, FIX_BF16=interpret,
     )
 
 
 def mx_attention(
     q8, k8, v: torch.Tensor, *, q_len: int, causal: bool, q_offset: int, diag: int, sink: int,
-    high: str, low: str, native: bool | None = None, num_warps: int = 8, num_stages: int = 2,
+    high: str, low: str, native: bool | None = None, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """Launch the kernel on ``DualQuantized`` Q and K copies and V ``[B, Lk, HKV, D]``.
 

@@ -1,0 +1,55 @@
+"""`dma_jax.torch_attention`: the DMA Triton kernel on PyTorch tensors."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from .config import DMAConfig
+from .validation import check_attention_inputs, resolve_q_offset
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["torch_attention"]
+
+
+def torch_attention(
+    q: "torch.Tensor",
+    k: "torch.Tensor",
+    v: "torch.Tensor",
+    *,
+    causal: bool = True,
+    config: DMAConfig | None = None,
+    q_offset: int | None = None,
+) -> "torch.Tensor":
+    """DMA attention on torch tensors, same layout, options and numerics as
+    :func:`dma_jax.attention` (inference only: no autograd).
+
+    Needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before
+    ``triton_kernels`` is first imported (slow; for tests).
+    """
+    import torch
+
+    from triton_kernels.dma import dma_attention
+
+    check_attention_inputs(q, k, v, causal=causal, config=config, q_offset=q_offset)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if len({x.device for x in (q, k, v)}) != 1:
+        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if not q.is_cuda and not interpreting:
+        raise ValueError(
+            f"torch_attention runs a Triton kernel and needs CUDA tensors; got device "
+            f"{q.device} (set TRITON_INTERPRET=1 to run Triton's interpreter on CPU)"
+        )
+    config = config or DMAConfig()
+    offset = resolve_q_offset(q.shape[1], k.shape[1], q_offset)
+    with torch.no_grad():
+        return dma_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), causal=causal, q_offset=offset,
+            diag_tiles=config.diag_tiles, sink_tiles=config.sink_tiles, high=config.high,
+            low=config.low, smooth_k=config.smooth_k, sm_scale=config.softmax_scale(q.shape[3]),
+        )
