@@ -41,7 +41,8 @@ mlir.register_lowering(
 
 def _triton_lowering(q, k, v, *, causal, config, q_offset):
     # Imported on first use: Triton, torch and jax-triton load only on GPU machines.
-    
+    from .kernels import triton_attention
+
     return triton_attention(q, k, v, causal=causal, config=config, q_offset=q_offset)
 
 
