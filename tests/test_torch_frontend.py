@@ -61,9 +61,9 @@ def test_bridge_to_torch_shares_the_buffer(dtype):
     assert t.data_ptr() == x.unsafe_buffer_pointer()
     if jnp.dtype(dtype).itemsize == 1:
         assert t.dtype == torch.uint8
-        np.testing.assert_array_equal(t.numpy(), np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8)))
+        np.testing.assert_array_equal(t.cpu().numpy(), np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8)))
     else:
-        np.testing.assert_array_equal(t.float().numpy(), np.asarray(x, np.float32))
+        np.testing.assert_array_equal(t.float().cpu().numpy(), np.asarray(x, np.float32))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
