@@ -70,19 +70,22 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
             out_shape=_sds((batch, kv_heads, dim), np.float32), grid=grid_mean, D=dim,
         )
 
+    native = attn.native_formats(_capability(), low)
+    values = not all(native)  # the bf16 copies feed the tiles that are not native
+
     def dual(x, shift, fold, smooth):
         return jt.triton_call(
             x, shift, np.float32(fold), x.shape[1], x.shape[2], kernel=quant._dual_quantize_kernel,
-            out_shape=[_sds(s, d) for s, d in quant.quantize_outputs(x.shape, high, low)],
+            out_shape=[_sds(s, d) for s, d in quant.quantize_outputs(x.shape, high, low, values)],
             grid=quant.quantize_grid(x.shape), num_warps=quant.QUANTIZE_WARPS,
-            **quant.quantize_meta(dim, high, low, smooth),
+            **quant.quantize_meta(dim, high, low, smooth, values),
         )
 
     q8 = dual(q, q, softmax_fold(config.softmax_scale(dim)), False)
     k8 = dual(k, mean, 1.0, config.smooth_k)
     n_tiles, tile0 = attn.query_tiles(q_len, q_offset)
     meta = attn.attention_meta(
-        dim, causal=causal, high=high, low=low, native=attn.native_formats(_capability(), low),
+        dim, causal=causal, high=high, low=low, native=native,
         v_dtype_is_f32=q.dtype == jnp.float32, interpret=False,
     )
     return jt.triton_call(

@@ -135,7 +135,8 @@ from triton_kernels.attention import _dma_attention_kernel, attention_meta
 
 low, native_low = sys.argv[1], sys.argv[2] == "1"
 types = {"*u8": ["qh_codes", "qh_scales", "ql_codes", "ql_scales", "kh_codes", "kh_scales", "kl_codes", "kl_scales"],
-         "*fp32": ["ql_token", "kl_token"], "*bf16": ["v_ptr", "o_ptr"],
+         "*fp32": ["ql_token", "kl_token"],
+         "*bf16": ["qh_values", "ql_values", "kh_values", "kl_values", "v_ptr", "o_ptr"],
          "i32": ["Lq", "Lk", "HQ", "HKV", "q_offset", "tile0", "diag", "sink"]}
 signature = {name: ty for ty, names in types.items() for name in names}
 meta = attention_meta(128, causal=True, high="mxfp8_e4m3", low=low, native=(True, native_low),

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dma_jax import quantize
+from dma_jax import dequantize, quantize
 from dma_jax.formats import FORMATS as JAX_FORMATS
 from triton_kernels.quantize import FORMATS, channel_mean, dual_quantize
 
@@ -79,6 +79,24 @@ def test_bytes_equal_formats(kind, high, low):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_head_dim_128_smooth_k_and_half_dtypes(low, dtype):
     check(inputs("outliers", (1, 70, 2, 128), seed=3), high="mxfp8_e4m3", low=low, smooth=True, dtype=dtype)
+
+
+@pytest.mark.parametrize("high,low", [("mxfp8_e4m3", "nvfp4"), ("mxfp8_e5m2", "mxfp4")])
+def test_bf16_values_are_exact_dequantized_codes(high, low):
+    """The bf16 copy the sm_90 kernel reads equals dma_jax.dequantize exactly
+    (for NVFP4: times the per-token scale, in float32, as dequantize does)."""
+    x = inputs("nan", (2, 37, 3, 128), seed=8)
+    xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
+    got = dual_quantize(xt, high=high, low=low, fold=0.7, write_values=True)
+    x32 = (xt.float().cpu().numpy() * np.float32(0.7)).astype(np.float32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        want_hi = np.asarray(dequantize(quantize(jnp.asarray(x32), high), high))
+        want_lo = np.asarray(dequantize(quantize(jnp.asarray(x32), low), low))
+    np.testing.assert_array_equal(got.hi_values.float().cpu().numpy(), want_hi)
+    lo = got.lo_values.float().cpu().numpy()
+    if low == "nvfp4":
+        lo = lo * got.lo_token_scale.cpu().numpy()[..., None]
+    np.testing.assert_array_equal(lo, want_lo)
 
 
 def test_single_token():

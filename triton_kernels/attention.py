@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mx import e2m1_value, e8m0_value, fp8_value, round_to_bf16
+from .mx import round_to_bf16
 
 TILE = 128  # the classification tile of DESIGN.md §3.3, and BLOCK_M
 BLOCK_N = 64  # divides TILE: a key block never straddles two tiles
@@ -38,16 +38,16 @@ NUM_STAGES = 2
 
 
 @triton.jit
-def _load_operand(codes_ptr, scales_ptr, rows, mask, D: tl.constexpr, FMT: tl.constexpr,
-                  E5M2: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr, DOT_F32: tl.constexpr):
+def _load_operand(codes_ptr, scales_ptr, values_ptr, rows, mask, D: tl.constexpr, FMT: tl.constexpr,
+                  NV: tl.constexpr, NATIVE: tl.constexpr, DOT_F32: tl.constexpr):
     """Load a [R, D] operand of one format for rows ``rows`` (int64).
 
-    NATIVE: returns (codes, scales) as ``tl.dot_scaled`` takes them. Otherwise
-    returns (values, 0): codes times block scales, exactly, in bf16 (float32 when
-    DOT_F32); NVFP4's per-token factor is left out (applied to the scores).
+    NATIVE: (codes, scales) as ``tl.dot_scaled`` takes them. Otherwise (values, 0):
+    the quantizer's bf16 copy of codes x block scales (exact), as float32 when
+    DOT_F32; NVFP4's per-token factor is applied to the scores instead.
     """
-    BLOCK: tl.constexpr = 16 if NV else 32
     if NATIVE:
+        BLOCK: tl.constexpr = 16 if NV else 32
         KP: tl.constexpr = D // 2 if FMT == "e2m1" else D
         kc = tl.arange(0, KP)
         codes = tl.load(codes_ptr + rows[:, None] * KP + kc[None, :], mask=mask[:, None], other=0)
@@ -58,23 +58,11 @@ def _load_operand(codes_ptr, scales_ptr, rows, mask, D: tl.constexpr, FMT: tl.co
         return codes, scales
     else:
         cols = tl.arange(0, D)
-        scale_bytes = tl.load(scales_ptr + rows[:, None] * (D // BLOCK) + (cols // BLOCK)[None, :],
-                              mask=mask[:, None], other=0)
-        if FMT == "e2m1":
-            packed = tl.load(codes_ptr + rows[:, None] * (D // 2) + (cols // 2)[None, :],
-                             mask=mask[:, None], other=0).to(tl.int32)
-            values = e2m1_value((packed >> ((cols & 1) * 4)[None, :]) & 0xF)
-        else:
-            codes = tl.load(codes_ptr + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0)
-            values = fp8_value(codes, E5M2)
-        if NV:
-            scale = fp8_value(scale_bytes, False)
-        else:
-            scale = e8m0_value(scale_bytes)
+        values = tl.load(values_ptr + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0.0)
         if DOT_F32:
-            return values * scale, 0
+            return values.to(tl.float32), 0
         else:
-            return (values * scale).to(tl.bfloat16), 0
+            return values, 0
 
 
 @triton.jit
@@ -89,10 +77,10 @@ def _scores(qa, qs, ka, ks, FMT: tl.constexpr, NATIVE: tl.constexpr):
 @triton.jit
 def _attend_run(
     acc, m_i, l_i, qa, qs, s2q, p,
-    k_codes, k_scales, k_token, v_ptr,
+    k_codes, k_scales, k_token, k_values, v_ptr,
     b, kvh, Lk, HKV, tile_lo, tile_hi,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    FMT: tl.constexpr, E5M2: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr,
+    FMT: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr,
     DOT_F32: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """Online softmax over key tiles [tile_lo, tile_hi), all in format FMT."""
@@ -101,7 +89,7 @@ def _attend_run(
         t = n0 + tl.arange(0, BLOCK_N)
         t_ok = t < Lk  # keys past kv_len (tile padding) never contribute
         k_rows = ((b * Lk + t) * HKV + kvh).to(tl.int64)
-        ka, ks = _load_operand(k_codes, k_scales, k_rows, t_ok, D, FMT, E5M2, NV, NATIVE, DOT_F32)
+        ka, ks = _load_operand(k_codes, k_scales, k_values, k_rows, t_ok, D, FMT, NV, NATIVE, DOT_F32)
         s = _scores(qa, qs, ka, ks, FMT, NATIVE)
         if NV:
             s2k = tl.load(k_token + k_rows, mask=t_ok, other=1.0)
@@ -133,13 +121,13 @@ def _attend_run(
 
 @triton.jit
 def _dma_attention_kernel(
-    qh_codes, qh_scales, ql_codes, ql_scales, ql_token,
-    kh_codes, kh_scales, kl_codes, kl_scales, kl_token,
+    qh_codes, qh_scales, ql_codes, ql_scales, ql_token, qh_values, ql_values,
+    kh_codes, kh_scales, kl_codes, kl_scales, kl_token, kh_values, kl_values,
     v_ptr,
     Lq, Lk, HQ, HKV, q_offset, tile0, diag, sink,
     o_ptr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HI_FMT: tl.constexpr, HI_E5M2: tl.constexpr, LO_NV: tl.constexpr,
+    HI_FMT: tl.constexpr, LO_NV: tl.constexpr,
     NATIVE_HI: tl.constexpr, NATIVE_LO: tl.constexpr, DOT_F32: tl.constexpr,
     PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
@@ -151,8 +139,8 @@ def _dma_attention_kernel(
     r = p - q_offset
     row_ok = (r >= 0) & (r < Lq)
     q_rows = ((b * Lq + r) * HQ + h).to(tl.int64)
-    qh_a, qh_s = _load_operand(qh_codes, qh_scales, q_rows, row_ok, D, HI_FMT, HI_E5M2, False, NATIVE_HI, DOT_F32)
-    ql_a, ql_s = _load_operand(ql_codes, ql_scales, q_rows, row_ok, D, "e2m1", False, LO_NV, NATIVE_LO, DOT_F32)
+    qh_a, qh_s = _load_operand(qh_codes, qh_scales, qh_values, q_rows, row_ok, D, HI_FMT, False, NATIVE_HI, DOT_F32)
+    ql_a, ql_s = _load_operand(ql_codes, ql_scales, ql_values, q_rows, row_ok, D, "e2m1", LO_NV, NATIVE_LO, DOT_F32)
     if LO_NV:
         s2q = tl.load(ql_token + q_rows, mask=row_ok, other=1.0)
     else:
@@ -175,19 +163,19 @@ def _dma_attention_kernel(
         b3 = end
     else:
         b3 = tl.minimum(tl.maximum(b2, tq + diag), end)
-    acc, m_i, l_i = _attend_run(acc, m_i, l_i, qh_a, qh_s, s2q, p, kh_codes, kh_scales, kl_token, v_ptr,
+    acc, m_i, l_i = _attend_run(acc, m_i, l_i, qh_a, qh_s, s2q, p, kh_codes, kh_scales, kl_token, kh_values, v_ptr,
                                 b, kvh, Lk, HKV, 0, b1, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                HI_FMT, HI_E5M2, False, NATIVE_HI, DOT_F32, PV_F32, FIX_BF16)
-    acc, m_i, l_i = _attend_run(acc, m_i, l_i, ql_a, ql_s, s2q, p, kl_codes, kl_scales, kl_token, v_ptr,
+                                HI_FMT, False, NATIVE_HI, DOT_F32, PV_F32, FIX_BF16)
+    acc, m_i, l_i = _attend_run(acc, m_i, l_i, ql_a, ql_s, s2q, p, kl_codes, kl_scales, kl_token, kl_values, v_ptr,
                                 b, kvh, Lk, HKV, b1, b2, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                "e2m1", False, LO_NV, NATIVE_LO, DOT_F32, PV_F32, FIX_BF16)
-    acc, m_i, l_i = _attend_run(acc, m_i, l_i, qh_a, qh_s, s2q, p, kh_codes, kh_scales, kl_token, v_ptr,
+                                "e2m1", LO_NV, NATIVE_LO, DOT_F32, PV_F32, FIX_BF16)
+    acc, m_i, l_i = _attend_run(acc, m_i, l_i, qh_a, qh_s, s2q, p, kh_codes, kh_scales, kl_token, kh_values, v_ptr,
                                 b, kvh, Lk, HKV, b2, b3, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                HI_FMT, HI_E5M2, False, NATIVE_HI, DOT_F32, PV_F32, FIX_BF16)
+                                HI_FMT, False, NATIVE_HI, DOT_F32, PV_F32, FIX_BF16)
     if not CAUSAL:
-        acc, m_i, l_i = _attend_run(acc, m_i, l_i, ql_a, ql_s, s2q, p, kl_codes, kl_scales, kl_token, v_ptr,
+        acc, m_i, l_i = _attend_run(acc, m_i, l_i, ql_a, ql_s, s2q, p, kl_codes, kl_scales, kl_token, kl_values, v_ptr,
                                     b, kvh, Lk, HKV, b3, end, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                    "e2m1", False, LO_NV, NATIVE_LO, DOT_F32, PV_F32, FIX_BF16)
+                                    "e2m1", LO_NV, NATIVE_LO, DOT_F32, PV_F32, FIX_BF16)
     # Rows without any valid key have l = 0 and output zeros.
     out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
     out = tl.where((l_i != l_i)[:, None], float("nan"), out)  # keep NaN rows NaN
@@ -208,7 +196,7 @@ def native_formats(capability: tuple[int, int] | None, low: str) -> tuple[bool, 
     ``tcgen05.mma ... kind::mxf4nvf4.block_scale.block16``, but Triton's
     interpreter treats every scale as E8M0, so that path has not been checked
     against the reference anywhere yet: until it runs on a B200, NVFP4 tiles
-    take the exact decode path unless ``native=True`` is asked for.
+    take the bf16 path unless ``native=True`` is asked for.
     """
     blackwell = capability is not None and capability[0] >= 10
     return blackwell, blackwell and low == "mxfp4"
@@ -226,37 +214,46 @@ def attention_meta(head_dim: int, *, causal: bool, high: str, low: str, native: 
     """Constexpr arguments of ``_dma_attention_kernel``; ``native``: (high, low) tiles."""
     return dict(
         D=head_dim, BLOCK_M=TILE, BLOCK_N=BLOCK_N, CAUSAL=causal,
-        HI_FMT="e5m2" if high == "mxfp8_e5m2" else "e4m3", HI_E5M2=high == "mxfp8_e5m2",
+        HI_FMT="e5m2" if high == "mxfp8_e5m2" else "e4m3",
         LO_NV=low == "nvfp4", NATIVE_HI=native[0], NATIVE_LO=native[1],
         DOT_F32=interpret,
         PV_F32=v_dtype_is_f32 or interpret, FIX_BF16=interpret,
     )
 
 
+def resolve_native(device: torch.device, low: str, native: bool | None) -> tuple[bool, bool]:
+    """(high, low) ``tl.dot_scaled`` switches: forced by ``native``, else by GPU."""
+    if native is not None:
+        return native, native
+    if interpreting() or device.type != "cuda":
+        return False, False
+    return native_formats(torch.cuda.get_device_capability(device), low)
+
+
 def mx_attention(
     q8, k8, v: torch.Tensor, *, q_len: int, causal: bool, q_offset: int, diag: int, sink: int,
-    high: str, low: str, native: bool | None = None, num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+    high: str, low: str, native: tuple[bool, bool],
+    num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     """Launch the kernel on ``DualQuantized`` Q and K copies and V ``[B, Lk, HKV, D]``.
 
-    ``native=True/False`` forces ``tl.dot_scaled`` on or off for every tile;
-    ``None`` chooses by GPU (:func:`native_formats`).
+    Tiles not in ``native`` read the copies' bf16 values, which must have been written.
     """
     b, kv_len, hkv, d = v.shape
     hq = q8.hi_codes.shape[2]
     n_m, tile0 = query_tiles(q_len, q_offset)
     out = torch.empty((b, q_len, hq, d), dtype=v.dtype, device=v.device)
-    interpret = interpreting()
-    cap = None if interpret or not v.is_cuda else torch.cuda.get_device_capability(v.device)
-    q_token = q8.lo_token_scale if q8.lo_token_scale is not None else q8.lo_scales
-    k_token = k8.lo_token_scale if k8.lo_token_scale is not None else k8.lo_scales
+
+    def parts(x8):
+        token = x8.lo_token_scale if x8.lo_token_scale is not None else x8.lo_scales
+        hi_values = x8.hi_values if x8.hi_values is not None else x8.hi_codes
+        lo_values = x8.lo_values if x8.lo_values is not None else x8.lo_codes
+        return x8.hi_codes, x8.hi_scales, x8.lo_codes, x8.lo_scales, token, hi_values, lo_values
+
     _dma_attention_kernel[(n_m, hq, b)](
-        q8.hi_codes, q8.hi_scales, q8.lo_codes, q8.lo_scales, q_token,
-        k8.hi_codes, k8.hi_scales, k8.lo_codes, k8.lo_scales, k_token,
-        v, q_len, kv_len, hq, hkv, q_offset, tile0, diag, sink, out,
-        **attention_meta(d, causal=causal, high=high, low=low,
-                         native=native_formats(cap, low) if native is None else (native, native),
-                         v_dtype_is_f32=v.dtype == torch.float32, interpret=interpret),
+        *parts(q8), *parts(k8), v, q_len, kv_len, hq, hkv, q_offset, tile0, diag, sink, out,
+        **attention_meta(d, causal=causal, high=high, low=low, native=native,
+                         v_dtype_is_f32=v.dtype == torch.float32, interpret=interpreting()),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .attention import mx_attention
+from .attention import mx_attention, resolve_native
 from .quantize import channel_mean, dual_quantize
 
 
@@ -25,9 +25,14 @@ def dma_attention(
     causal: bool, q_offset: int, diag_tiles: int, sink_tiles: int,
     high: str, low: str, smooth_k: bool, sm_scale: float, native: bool | None = None,
 ) -> torch.Tensor:
-    """DMA on contiguous ``q [B, Lq, HQ, D]``, ``k, v [B, Lk, HKV, D]`` (checked by the caller)."""
+    """DMA on contiguous ``q [B, Lq, HQ, D]``, ``k, v [B, Lk, HKV, D]`` (checked by the caller).
+
+    ``native``: force ``tl.dot_scaled`` on (True) or off (False); default by GPU.
+    """
+    tiles = resolve_native(q.device, low, native)
+    values = not all(tiles)  # the bf16 copies feed the tiles that are not native
     mean = channel_mean(k) if smooth_k else None
-    q8 = dual_quantize(q, high=high, low=low, fold=softmax_fold(sm_scale))
-    k8 = dual_quantize(k, high=high, low=low, mean=mean)
+    q8 = dual_quantize(q, high=high, low=low, fold=softmax_fold(sm_scale), write_values=values)
+    k8 = dual_quantize(k, high=high, low=low, mean=mean, write_values=values)
     return mx_attention(q8, k8, v, q_len=q.shape[1], causal=causal, q_offset=q_offset,
-                        diag=diag_tiles, sink=sink_tiles, high=high, low=low, native=native)
+                        diag=diag_tiles, sink=sink_tiles, high=high, low=low, native=tiles)

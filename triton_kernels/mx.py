@@ -62,25 +62,6 @@ def e8m0_value(s):
 
 
 @triton.jit
-def fp8_value(c, E5M2: tl.constexpr):
-    """float32 value of E4M3 (fn) or E5M2 codes (uint8)."""
-    if E5M2:
-        return c.to(tl.float8e5, bitcast=True).to(tl.float32)
-    else:
-        return c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def e2m1_value(c):
-    """float32 value of E2M1 codes (int32 nibbles): 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives."""
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2(tl.maximum(e - 1, 0)))
-    return tl.where((c & 8) != 0, -mag, mag)
-
-
-
-@triton.jit
 def round_to_bf16(x):
     """float32 -> the nearest bf16 value (ties to even), still as float32.
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mx import abs_max, element_code, exponent, pow2, round_to_element
+from .mx import abs_max, e8m0_value, element_code, exponent, pow2, round_to_element
 
 # Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
 # Kept in step with dma_jax.formats.FORMATS (a test checks it).
@@ -37,14 +37,17 @@ FORMATS = {
 @triton.jit
 def _quantize_tile(
     x, rows, cols, mask,
-    codes_ptr, scales_ptr, token_ptr,
+    codes_ptr, scales_ptr, token_ptr, values_ptr,
     EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
     MAX_VALUE: tl.constexpr, BLOCK: tl.constexpr, NVFP4: tl.constexpr,
-    BLOCK_T: tl.constexpr, D: tl.constexpr,
+    BLOCK_T: tl.constexpr, D: tl.constexpr, WRITE_VALUES: tl.constexpr,
 ):
     """Quantize a [BLOCK_T, D] float32 tile into one format and store it.
 
     rows: token indices into the flattened [tokens] outputs; cols: arange(D).
+    WRITE_VALUES also stores element x block scale in bf16 (exact: at most 6
+    significant bits), the tensor-core-ready copy the sm_90 kernel reads; NVFP4's
+    per-token scale stays out of it.
     """
     NB: tl.constexpr = D // BLOCK
     xb = tl.reshape(x, (BLOCK_T, NB, BLOCK))
@@ -66,6 +69,7 @@ def _quantize_tile(
         v = tl.where(usable[:, :, None], v, zero)
         v = tl.where((v == v) & (tl.abs(v) < float("inf")), v, 0.0)
         scale_code = tl.where(finite, element_code(sb, 4, 3, -6), 0x7F)
+        scale_value = tl.where(finite, sb, float("nan"))
         tl.store(token_ptr + rows, s2, mask=mask)
     else:
         finite = (amax == amax) & (amax < float("inf"))
@@ -73,7 +77,11 @@ def _quantize_tile(
         # Multiply by 2^-e: -e lies in [-125, 127], so the factor is a normal float.
         v = tl.where(finite[:, :, None], xb * pow2(-e)[:, :, None], 0.0)
         scale_code = tl.where(finite, e + 127, 255)
+        scale_value = e8m0_value(scale_code)
     r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
+    if WRITE_VALUES:
+        values = tl.reshape(r * scale_value[:, :, None], (BLOCK_T, D))
+        tl.store(values_ptr + rows[:, None] * D + cols[None, :], values.to(tl.bfloat16), mask=mask[:, None])
     codes = tl.reshape(element_code(r, EXP_BITS, MAN_BITS, EMIN), (BLOCK_T, D))
     sblk = tl.arange(0, NB)
     tl.store(scales_ptr + rows[:, None] * NB + sblk[None, :], scale_code.to(tl.uint8), mask=mask[:, None])
@@ -90,8 +98,8 @@ def _quantize_tile(
 @triton.jit
 def _dual_quantize_kernel(
     x_ptr, mean_ptr, fold, L, H,
-    hi_codes, hi_scales, lo_codes, lo_scales, lo_token,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr,
+    hi_codes, hi_scales, lo_codes, lo_scales, lo_token, hi_values, lo_values,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr, WRITE_VALUES: tl.constexpr,
     HI_E: tl.constexpr, HI_M: tl.constexpr, HI_EMIN: tl.constexpr, HI_EMAX: tl.constexpr,
     HI_MAX: tl.constexpr, HI_BLOCK: tl.constexpr,
     LO_E: tl.constexpr, LO_M: tl.constexpr, LO_EMIN: tl.constexpr, LO_EMAX: tl.constexpr,
@@ -111,10 +119,10 @@ def _dual_quantize_kernel(
     # float32 subnormals count as signed zeros (as in dma_jax.formats).
     sign = (x.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
     x = tl.where(tl.abs(x) < 1.1754943508222875e-38, sign, x)
-    _quantize_tile(x, rows, cols, mask, hi_codes, hi_scales, lo_token,
-                   HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D)
-    _quantize_tile(x, rows, cols, mask, lo_codes, lo_scales, lo_token,
-                   LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, BLOCK_T, D)
+    _quantize_tile(x, rows, cols, mask, hi_codes, hi_scales, lo_token, hi_values,
+                   HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D, WRITE_VALUES)
+    _quantize_tile(x, rows, cols, mask, lo_codes, lo_scales, lo_token, lo_values,
+                   LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, BLOCK_T, D, WRITE_VALUES)
 
 
 @triton.jit
@@ -156,6 +164,8 @@ class DualQuantized:
     lo_codes: torch.Tensor  # [B, L, H, D // 2], packed E2M1
     lo_scales: torch.Tensor  # [B, L, H, D // block], E4M3 (nvfp4) or E8M0 (mxfp4)
     lo_token_scale: torch.Tensor | None  # float32 [B, L, H] for nvfp4
+    hi_values: torch.Tensor | None = None  # bf16 [B, L, H, D]: codes x block scales
+    lo_values: torch.Tensor | None = None  # bf16 [B, L, H, D] (NVFP4: without s2)
 
 
 # Launch settings (measured on the H200, see NOTES.md). Kernel parameters are
@@ -174,27 +184,33 @@ def mean_launches(shape: tuple[int, ...], chunk: int = MEAN_CHUNK):
     return (n_chunks, h, b), (h, b), (n_chunks, b, h, d), n_chunks
 
 
-def quantize_meta(head_dim: int, high: str, low: str, smooth: bool, block_t: int = QUANTIZE_BLOCK_T) -> dict:
+def quantize_meta(head_dim: int, high: str, low: str, smooth: bool, write_values: bool,
+                  block_t: int = QUANTIZE_BLOCK_T) -> dict:
     """Constexpr arguments of ``_dual_quantize_kernel``."""
     hi, lo = FORMATS[high], FORMATS[low]
     return dict(
-        D=head_dim, BLOCK_T=block_t, SMOOTH=smooth,
+        D=head_dim, BLOCK_T=block_t, SMOOTH=smooth, WRITE_VALUES=write_values,
         HI_E=hi[0], HI_M=hi[1], HI_EMIN=hi[2], HI_EMAX=hi[3], HI_MAX=hi[4], HI_BLOCK=hi[5],
         LO_E=lo[0], LO_M=lo[1], LO_EMIN=lo[2], LO_EMAX=lo[3], LO_MAX=lo[4], LO_BLOCK=lo[5],
         LO_NVFP4=low == "nvfp4",
     )
 
 
-def quantize_outputs(shape: tuple[int, ...], high: str, low: str) -> list[tuple[tuple[int, ...], str]]:
-    """(shape, dtype name) of the five outputs: hi codes, hi scales, lo codes,
-    lo scales, lo per-token scale (written for nvfp4 only)."""
+def quantize_outputs(shape: tuple[int, ...], high: str, low: str,
+                     write_values: bool) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype name) of the seven outputs: hi codes, hi scales, lo codes,
+    lo scales, lo per-token scale (written for nvfp4 only), hi and lo bf16 values
+    (one-element placeholders unless written)."""
     b, l, h, d = shape
+    values = (b, l, h, d) if write_values else (1,)
     return [
         ((b, l, h, d), "uint8"),
         ((b, l, h, d // FORMATS[high][5]), "uint8"),
         ((b, l, h, d // 2), "uint8"),
         ((b, l, h, d // FORMATS[low][5]), "uint8"),
         ((b, l, h), "float32"),
+        (values, "bfloat16"),
+        (values, "bfloat16"),
     ]
 
 
@@ -221,6 +237,7 @@ def dual_quantize(
     low: str = "nvfp4",
     fold: float = 1.0,
     mean: torch.Tensor | None = None,
+    write_values: bool = False,
     block_t: int = QUANTIZE_BLOCK_T,
     num_warps: int = QUANTIZE_WARPS,
 ) -> DualQuantized:
@@ -228,14 +245,18 @@ def dual_quantize(
 
     x: bf16/fp16/fp32 ``[B, L, H, D]``, contiguous. ``mean``: float32 ``[B, H, D]``
     (smooth-K) or None. ``fold`` is rounded to float32 (the folded softmax scale for Q).
+    ``write_values`` also writes the bf16 ``hi_values`` / ``lo_values``.
     """
     if not x.is_contiguous():
         raise ValueError("dual_quantize needs a contiguous [B, L, H, D] tensor")
     b, l, h, d = x.shape
     outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=x.device)
-            for shape, dtype in quantize_outputs(x.shape, high, low)]
+            for shape, dtype in quantize_outputs(x.shape, high, low, write_values)]
     _dual_quantize_kernel[quantize_grid(x.shape, block_t)](
         x, mean if mean is not None else x, float(torch.tensor(fold, dtype=torch.float32)), l, h,
-        *outs, **quantize_meta(d, high, low, mean is not None, block_t), num_warps=num_warps,
+        *outs, **quantize_meta(d, high, low, mean is not None, write_values, block_t), num_warps=num_warps,
     )
-    return DualQuantized(*outs[:4], lo_token_scale=outs[4] if low == "nvfp4" else None)
+    return DualQuantized(
+        *outs[:4], lo_token_scale=outs[4] if low == "nvfp4" else None,
+        hi_values=outs[5] if write_values else None, lo_values=outs[6] if write_values else None,
+    )
