@@ -108,7 +108,7 @@ def main() -> None:
         del sets, torch_sets
 
     os.makedirs(args.out, exist_ok=True)
-    gpu = torch.cuda.get_device_name().replace(" ", "_").lower()
+    gpu = torch.cuda.get_device_name().split()[-1].lower()  # "h200"
     path = os.path.join(args.out, f"attention_{gpu}.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
