@@ -37,7 +37,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/quantize.py needs a CUDA GPU")
     rows = []
-    print(f"| shape [B,S,H,D] | copy GB/s | mean GB/s | quantize nvfp4 GB/s | vs copy | quantize mxfp4 GB/s | vs copy |")
+    print("| shape [B,S,H,D] | copy GB/s | mean GB/s | quantize nvfp4 GB/s | vs copy | quantize mxfp4 GB/s | vs copy |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for text in args.shapes.split(","):
         shape = tuple(int(v) for v in text.split("x"))

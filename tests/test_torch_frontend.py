@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-import dma_jax
 from dma_jax import DMAConfig, bridge, reference_attention, torch_attention
 
 import oracle
