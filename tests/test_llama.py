@@ -1,0 +1,169 @@
+"""The Flax Llama against transformers' LlamaForCausalLM, loaders, cache, generation, CLI."""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+from transformers import AutoModelForCausalLM
+from transformers import LlamaConfig as HFConfig
+from transformers import LlamaForCausalLM
+
+import dma_jax
+from models.generate import Sampling, agreement, chat_prompt, generate, main, sample
+from models.llama import AttentionSpec, KVCache, load_checkpoint
+from models.llama.loaders import embedded_model_path, load_gguf, load_hf
+
+ROPE_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def tiny_hf(tmp_path, *, tie=False, rope=None, shard=None, head_dim=16):
+    cfg = HFConfig(vocab_size=300, hidden_size=4 * head_dim, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                   max_position_embeddings=512, rope_theta=500.0, tie_word_embeddings=tie, rope_scaling=rope)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg).eval()
+    kwargs = {"max_shard_size": shard} if shard else {}
+    hf.save_pretrained(tmp_path, **kwargs)
+    return hf, str(tmp_path)
+
+
+def hf_logits(hf, tokens):
+    with torch.no_grad():
+        return hf(torch.from_numpy(np.asarray(tokens))).logits.float().numpy()
+
+
+@pytest.mark.parametrize("tie,rope,shard", [(False, ROPE_LLAMA3, None), (True, None, "60KB")])
+def test_tiny_logits_equal_transformers(tmp_path, tie, rope, shard):
+    hf, path = tiny_hf(tmp_path, tie=tie, rope=rope, shard=shard)
+    if shard:
+        assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    model = load_hf(path)
+    tokens = np.random.default_rng(0).integers(0, 300, (2, 150))
+    ours, _ = model.prefill(jnp.asarray(tokens), None, AttentionSpec())
+    ref = hf_logits(hf, tokens)
+    assert np.abs(np.asarray(ours) - ref).max() < 1e-4
+    assert (np.asarray(ours).argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_prefill_then_decode_equals_full_forward(tmp_path):
+    _, path = tiny_hf(tmp_path, rope=ROPE_LLAMA3)
+    model = load_hf(path)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 300, (1, 24)))
+    full, _ = model.prefill(tokens, None, AttentionSpec())
+    for decode in ("exact", "xla"):
+        spec = AttentionSpec(decode=decode)
+        logits, cache = model.prefill(tokens[:, :20], KVCache.empty(model.config, 1, 32), spec)
+        steps = [logits[:, -1]]
+        for i in range(20, 24):
+            logits, cache = model.decode(tokens[:, i:i + 1], cache, spec)
+            steps.append(logits[:, -1])
+        assert int(cache.length) == 24
+        np.testing.assert_allclose(np.stack(steps[1:], 1), np.asarray(full[:, 20:]), atol=2e-5)
+
+
+def test_dma_all_high_stays_close_to_exact(tmp_path):
+    hf, path = tiny_hf(tmp_path, head_dim=64)
+    model = load_hf(path)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 300, (1, 200)))
+    exact, _ = model.prefill(tokens, None, AttentionSpec())
+
+    def err(cfg):
+        out, _ = model.prefill(tokens, None, AttentionSpec.named("dma", dma=cfg))
+        return float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact))
+
+    high, low = err(dma_jax.DMAConfig.all_high()), err(dma_jax.DMAConfig.all_low())
+    assert high < 0.02
+    assert high < low
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    model, make_tokenizer = load_checkpoint(None)
+    return model, make_tokenizer()
+
+
+def test_smollm2_gguf_logits_equal_transformers(smollm):
+    model, tokenizer = smollm
+    path = embedded_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).eval()
+    ids = chat_prompt(tokenizer, "Name three colours.")
+    ours, _ = model.prefill(jnp.asarray([ids]), None, AttentionSpec())
+    ref = hf_logits(hf, [ids])
+    assert np.abs(np.asarray(ours) - ref).max() < 2e-3
+    assert (np.asarray(ours).argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_greedy_answer_contains_paris(smollm):
+    model, tokenizer = smollm
+    ids = chat_prompt(tokenizer, "What is the capital of France?")
+    out = list(generate(model, ids, spec=AttentionSpec.named("exact"), max_new_tokens=12,
+                        stop_ids=(tokenizer.eos_token_id,)))
+    assert "Paris" in tokenizer.decode(out)
+
+
+def test_sampling():
+    logits = jnp.log(jnp.array([[0.05, 0.6, 0.3, 0.05]]))
+    key = jax.random.PRNGKey(0)
+    assert int(sample(logits, key, Sampling())[0]) == 1
+    assert int(sample(logits, key, Sampling(temperature=1.0, top_p=0.1))[0]) == 1  # nucleus of one
+    draws = {int(sample(logits, jax.random.PRNGKey(s), Sampling(temperature=1.0, top_p=0.85))[0]) for s in range(40)}
+    assert draws == {1, 2}  # tokens outside the 0.85 nucleus never appear
+    assert agreement([1, 2, 3], [1, 2, 4]) == (2 / 3, 2)
+    assert agreement([1, 2], [1, 2]) == (1.0, None)
+
+
+def test_cli_streams_and_compares(capsys):
+    main(["--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "8",
+          "--attention", "exact", "--compare"])
+    out = capsys.readouterr().out
+    assert "Paris" in out
+    assert "8 new tokens" in out
+    assert "100.0% of generated tokens agree" in out
+
+
+def test_bad_checkpoints(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a directory nor a .gguf"):
+        load_checkpoint(str(tmp_path / "missing.bin"))
+    with pytest.raises(FileNotFoundError, match="no GGUF file"):
+        load_gguf(str(tmp_path / "x.gguf"))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_hf(str(tmp_path))
+    _, path = tiny_hf(tmp_path / "ok")
+    weights = load_file(os.path.join(path, "model.safetensors"))
+
+    def broken(change, message):
+        d = tmp_path / message[:8].replace(" ", "_")
+        d.mkdir()
+        (d / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+        w = dict(weights)
+        change(w)
+        save_file(w, str(d / "model.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            load_hf(str(d))
+
+    name = "model.layers.1.mlp.up_proj.weight"
+    broken(lambda w: w.__setitem__(name, w[name][:-1]), r"'model.layers.1.mlp.up_proj.weight' has shape \(95, 64\); expected \(96, 64\)")
+    broken(lambda w: w.pop(name), r"lacks 1 tensors, e.g. \['layers.1.mlp.up_proj.kernel'\]")
+    broken(lambda w: w.__setitem__("model.layers.0.extra.weight", w[name]), r"unknown tensor 'model.layers.0.extra.weight'")
+
+
+def test_bad_attention_names_and_configs(tmp_path):
+    with pytest.raises(ValueError, match="unknown attention 'flash'"):
+        AttentionSpec.named("flash")
+    with pytest.raises(ValueError, match="decode attention must be 'exact' or 'xla'; got 'dma'"):
+        AttentionSpec(prefill="dma", decode="dma")
+    assert AttentionSpec.named("dma").decode == "exact"  # the paper's setting
+    cfg = json.loads(open(tiny_hf(tmp_path)[1] + "/config.json").read())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+    from models.llama import LlamaConfig
+
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
+        LlamaConfig.from_hf(cfg)
