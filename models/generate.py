@@ -14,13 +14,13 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from flax import nnx
 
 from dma_jax import DMAConfig
 from dma_jax.config import HIGH_FORMATS, LOW_FORMATS
@@ -67,8 +67,8 @@ def generate(
     timings = timings or Timings()
     tokens = jnp.asarray([prompt_ids], jnp.int32)
     cache = KVCache.empty(model.config, 1, len(prompt_ids) + max_new_tokens, model.dtype)
-    prefill = nnx_jit(lambda m, t, c: m.prefill(t, c, spec))
-    decode = nnx_jit(lambda m, t, c: m.decode(t, c, spec))
+    prefill = nnx.jit(lambda m, t, c: m.prefill(t, c, spec))
+    decode = nnx.jit(lambda m, t, c: m.decode(t, c, spec))
     key = jax.random.PRNGKey(sampling.seed)
     timings.prompt_tokens = len(prompt_ids)
 
@@ -89,12 +89,6 @@ def generate(
         logits, cache = decode(model, token[:, None], cache)
         key, sub = jax.random.split(key)
         token = sample(logits[:, -1], sub, sampling)
-
-
-def nnx_jit(fn: Callable) -> Callable:
-    from flax import nnx
-
-    return nnx.jit(fn)
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:

@@ -138,9 +138,8 @@ def _gguf_config(reader) -> LlamaConfig:
     heads = int(field("llama.attention.head_count"))
     hidden = int(field("llama.embedding_length"))
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    llama3 = None
     if reader.fields.get("llama.rope.scaling.type") is not None:
-        raise ValueError("GGUF rope scaling metadata is not supported yet")
+        raise ValueError("GGUF rope scaling metadata is not supported yet; use the HF checkpoint")
     return LlamaConfig(
         vocab_size=int(embd.shape[1]), hidden_size=hidden,
         intermediate_size=int(field("llama.feed_forward_length")),
@@ -148,7 +147,7 @@ def _gguf_config(reader) -> LlamaConfig:
         num_kv_heads=int(field("llama.attention.head_count_kv", heads)),
         head_dim=int(field("llama.rope.dimension_count", hidden // heads)),
         rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(field("llama.rope.freq_base", 10000.0)), rope_llama3=llama3,
+        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in names,
         max_position_embeddings=int(field("llama.context_length", 8192)),
     )
