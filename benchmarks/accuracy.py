@@ -17,12 +17,11 @@ import platform
 import time
 
 import jax
-import numpy as np
 
 import dma_jax
 from dma_jax import DMAConfig
 from dma_jax.metrics import METRICS, error_metrics
-from dma_jax.reference import pair_is_high
+from dma_jax.reference import high_pair_fraction
 from dma_jax.synthetic import llm_like_qkv
 
 CONFIGS = {
@@ -34,14 +33,6 @@ CONFIGS = {
     "all MXFP4": DMAConfig.all_low(low="mxfp4"),
     "all NVFP4, no smooth-K": DMAConfig.all_low(smooth_k=False),
 }
-
-
-def high_fraction(config: DMAConfig, seq: int, causal: bool) -> float:
-    """Fraction of unmasked (query, key) pairs computed in the high format."""
-    pos = np.arange(seq)
-    high = np.asarray(pair_is_high(pos[:, None], pos[None, :], causal=causal, config=config))
-    valid = pos[None, :] <= pos[:, None] if causal else np.ones_like(high)
-    return float((high & valid).sum() / valid.sum())
 
 
 def main() -> None:
@@ -75,7 +66,7 @@ def main() -> None:
         out = f(q, k, v).block_until_ready()
         seconds = time.perf_counter() - start
         m = error_metrics(out, exact)
-        frac = high_fraction(config, args.seq, causal)
+        frac = high_pair_fraction(config, args.seq, causal=causal)
         print(f"| {name:45s} | {frac:10.3f} | " + " | ".join(f"{m[x]:8.5f}" for x in METRICS) + " |")
         rows.append({"config": name, "settings": config.__dict__, "high_fraction": frac,
                      "seconds_incl_compile": seconds, **m})

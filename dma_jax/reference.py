@@ -19,7 +19,7 @@ from .config import DMAConfig
 from .formats import dequantize, quantize
 from .validation import check_attention_inputs, resolve_q_offset
 
-__all__ = ["reference_attention", "exact_attention", "pair_is_high"]
+__all__ = ["reference_attention", "exact_attention", "pair_is_high", "high_pair_fraction"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 # Target size of one chunk's score matrix, in float32 elements (128 MiB).
@@ -37,6 +37,15 @@ def pair_is_high(
     tq, tk = q_pos // t, k_pos // t
     near = (tq - tk) if causal else jnp.abs(tq - tk)
     return (tk < config.sink_tiles) | (near < config.diag_tiles)
+
+
+def high_pair_fraction(config: DMAConfig, seq_len: int, *, causal: bool = True) -> float:
+    """Fraction of the unmasked (query, key) pairs of a ``seq_len`` self-attention
+    that are computed in the high format."""
+    pos = np.arange(seq_len)
+    high = np.asarray(pair_is_high(pos[:, None], pos[None, :], causal=causal, config=config))
+    valid = pos[None, :] <= pos[:, None] if causal else np.ones_like(high)
+    return float((high & valid).sum() / valid.sum())
 
 
 def _uniform_precision(
