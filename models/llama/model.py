@@ -130,8 +130,10 @@ class Llama(nnx.Module):
             return self.embed_tokens.attend(h).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
-    def _run(self, tokens, positions, attend, write):
-        """Shared layer loop: ``attend(layer, q, k, v) -> o``; ``write(layer, k, v)``."""
+    def run_layers(self, tokens, positions, attend, write=lambda i, k, v: None):
+        """Logits of ``tokens`` at ``positions`` with a custom attention:
+        ``attend(layer, q, k, v) -> o`` (after RoPE); ``write(layer, k, v)`` sees
+        each layer's keys and values. prefill and decode are built on it."""
         inv_freq = rope_frequencies(self.config)
         h = self.embed_tokens(tokens)
         for i, block in enumerate(self.layers):
@@ -153,7 +155,7 @@ class Llama(nnx.Module):
             new_k.append(k)
             new_v.append(v)
 
-        logits = self._run(tokens, jnp.arange(t), lambda i, q, k, v: spec.prefill_fn(q, k, v, sm_scale=scale), write)
+        logits = self.run_layers(tokens, jnp.arange(t), lambda i, q, k, v: spec.prefill_fn(q, k, v, sm_scale=scale), write)
         if cache is None:
             return logits, None
         if t > cache.k.shape[2]:
@@ -176,5 +178,5 @@ class Llama(nnx.Module):
             return spec.decode_fn(q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), q_offset=pos,
                                   kv_len=pos + 1, sm_scale=scale)
 
-        logits = self._run(tokens, pos[None], attend, write)
+        logits = self.run_layers(tokens, pos[None], attend, write)
         return logits, KVCache(jnp.stack(ks), jnp.stack(vs), pos + 1)
