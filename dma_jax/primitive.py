@@ -2,8 +2,9 @@
 
 The primitive ``dma_attention`` has an abstract evaluation rule, a CUDA
 lowering through the Triton kernels (jax-triton), a default lowering through
-the jnp reference (CPU and any other platform), a batching rule that folds vmapped axes into the batch axis,
-and differentiation rules that raise: DMA is an inference-only forward pass.
+the jnp reference (CPU and any other platform), a batching rule that folds
+vmapped axes into the batch axis, and differentiation rules that raise: DMA is
+an inference-only forward pass.
 """
 
 from __future__ import annotations

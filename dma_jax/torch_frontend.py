@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from .config import DMAConfig
@@ -31,6 +30,7 @@ def torch_attention(
     """
     import torch
 
+    from triton_kernels.attention import interpreting
     from triton_kernels.dma import dma_attention
 
     check_attention_inputs(q, k, v, causal=causal, config=config, q_offset=q_offset)
@@ -39,8 +39,7 @@ def torch_attention(
             raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
     if len({x.device for x in (q, k, v)}) != 1:
         raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if not q.is_cuda and not interpreting:
+    if not q.is_cuda and not interpreting():
         raise ValueError(
             f"torch_attention runs a Triton kernel and needs CUDA tensors; got device "
             f"{q.device} (set TRITON_INTERPRET=1 to run Triton's interpreter on CPU)"
