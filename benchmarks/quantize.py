@@ -2,8 +2,10 @@
 
 GPU only (torch + triton). For Q/K of shape [B, S, H, D] in bf16 it times, with
 ``triton.testing.do_bench`` in one run: a plain copy of the tensor (torch), the
-smooth-K mean reduction, and the dual quantization (MXFP8 + NVFP4). Bandwidth
-counts the bytes each kernel reads and writes. Prints a table, writes JSON.
+smooth-K mean reduction, the dual quantization (MXFP8 + NVFP4 or MXFP4) in its
+two output modes (the per-token FP8 copies sm_90 reads, the codes sm_100 reads)
+and V's transposed FP8 copy. Bandwidth counts the bytes each kernel reads and
+writes. Prints a table, writes JSON.
 
     python benchmarks/quantize.py [--shapes 1x8192x32x128,1x16384x8x128]
 """
@@ -12,21 +14,29 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 
 import torch
 import triton
 
-from triton_kernels.quantize import channel_mean, dual_quantize
+from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
 
 
-def quantize_bytes(shape, low: str) -> int:
+def quantize_bytes(shape, low: str, mode: str) -> int:
+    """Bytes read and written by one dual-quantize launch of a bf16 [B, S, H, D]."""
     b, s, h, d = shape
     n = b * s * h
-    written = n * (d + d // 32 + d // 2 + d // (16 if low == "nvfp4" else 32))
-    written += n * 4 if low == "nvfp4" else 0
+    if mode == "fp8":  # two E4M3 copies and two float32 token scales
+        written = n * (2 * d + 8)
+    else:  # codes and scales of both formats (+ NVFP4's token scale)
+        written = n * (d + d // 32 + d // 2 + d // (16 if low == "nvfp4" else 32))
+        written += n * 4 if low == "nvfp4" else 0
     return n * d * 2 + written
+
+
+MODES = {"fp8": dict(codes=False, fp8=True), "codes": dict(codes=True, fp8=False)}
 
 
 def main() -> None:
@@ -37,8 +47,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/quantize.py needs a CUDA GPU")
     rows = []
-    print("| shape [B,S,H,D] | copy GB/s | mean GB/s | quantize nvfp4 GB/s | vs copy | quantize mxfp4 GB/s | vs copy |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    cols = [f"{mode} {low}" for mode in MODES for low in ("nvfp4", "mxfp4")]
+    print("GB/s (fraction of copy bandwidth); fp8 = the sm_90 copies, codes = the sm_100 codes")
+    print("| shape [B,S,H,D] | copy GB/s | mean | " + " | ".join(cols) + " | V fp8 transpose |")
+    print("|---|---:|---:|" + "---:|" * (len(cols) + 1))
     for text in args.shapes.split(","):
         shape = tuple(int(v) for v in text.split("x"))
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3 + 1
@@ -46,18 +58,22 @@ def main() -> None:
         mean = channel_mean(x)
         t_copy = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300)
         t_mean = triton.testing.do_bench(lambda: channel_mean(x), warmup=50, rep=300)
-        row = {"shape": shape, "copy_ms": t_copy, "mean_ms": t_mean}
-        row["copy_GBps"] = 2 * x.numel() * 2 / t_copy / 1e6
-        row["mean_GBps"] = x.numel() * 2 / t_mean / 1e6
-        for low in ("nvfp4", "mxfp4"):
-            t = triton.testing.do_bench(lambda: dual_quantize(x, low=low, fold=0.127, mean=mean),
+        copy_bw = 2 * x.numel() * 2 / t_copy / 1e6
+        row = {"shape": shape, "copy_ms": t_copy, "mean_ms": t_mean, "copy_GBps": copy_bw,
+               "mean_GBps": x.numel() * 2 / t_mean / 1e6}
+        cells = [f"{row['mean_GBps']:.0f} ({row['mean_GBps'] / copy_bw:.2f})"]
+        for mode, low in itertools.product(MODES, ("nvfp4", "mxfp4")):
+            t = triton.testing.do_bench(lambda: dual_quantize(x, low=low, fold=0.127, mean=mean, **MODES[mode]),
                                         warmup=50, rep=300)
-            row[f"{low}_ms"] = t
-            row[f"{low}_GBps"] = quantize_bytes(shape, low) / t / 1e6
+            bw = quantize_bytes(shape, low, mode) / t / 1e6
+            row[f"{mode}_{low}_ms"], row[f"{mode}_{low}_GBps"] = t, bw
+            cells.append(f"{bw:.0f} ({bw / copy_bw:.2f})")
+        t = triton.testing.do_bench(lambda: fp8_transpose(x), warmup=50, rep=300)
+        bw = x.numel() * (2 + 2 + 1) / t / 1e6  # read twice (amax, values), write one byte
+        row["v_transpose_ms"], row["v_transpose_GBps"] = t, bw
+        cells.append(f"{bw:.0f} ({bw / copy_bw:.2f})")
         rows.append(row)
-        print(f"| {text} | {row['copy_GBps']:.0f} | {row['mean_GBps']:.0f} | {row['nvfp4_GBps']:.0f} | "
-              f"{row['nvfp4_GBps'] / row['copy_GBps']:.2f} | {row['mxfp4_GBps']:.0f} | "
-              f"{row['mxfp4_GBps'] / row['copy_GBps']:.2f} |")
+        print(f"| {text} | {copy_bw:.0f} | " + " | ".join(cells) + " |", flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "quantize_h200.json" if "H200" in torch.cuda.get_device_name() else "quantize_gpu.json")
     with open(path, "w") as fh:

@@ -7,6 +7,7 @@ import math
 
 HIGH_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
 LOW_FORMATS = ("nvfp4", "mxfp4")
+PV_MODES = ("input", "fp8")
 TILE_SIZES = (128,)
 # Large enough that every pair of any realistic sequence is on the "diagonal",
 # small enough to stay an int32 in tile arithmetic.
@@ -40,6 +41,9 @@ class DMAConfig:
       smooth_k: subtract the per-channel mean of K over the valid tokens first.
       sm_scale: softmax scale; ``None`` means ``head_dim ** -0.5``.
       tile_size: tokens per tile of the classification (the kernels' tile).
+      pv: ``"input"`` (P rounded to the input dtype, V as given: DESIGN.md §3.4) or
+        ``"fp8"`` (P and V in E4M3, V with a power-of-two scale per channel: faster
+        on Hopper, less accurate; see ``dma_jax.formats.fp8_per_channel``).
     """
 
     diag_tiles: int = 1
@@ -49,6 +53,7 @@ class DMAConfig:
     smooth_k: bool = True
     sm_scale: float | None = None
     tile_size: int = 128
+    pv: str = "input"
 
     def __post_init__(self) -> None:
         _check_count("diag_tiles", self.diag_tiles)
@@ -57,6 +62,7 @@ class DMAConfig:
         _check_choice("low", self.low, LOW_FORMATS)
         _check_choice("smooth_k", self.smooth_k, (True, False))
         _check_choice("tile_size", self.tile_size, TILE_SIZES)
+        _check_choice("pv", self.pv, PV_MODES)
         s = self.sm_scale
         if s is not None and (
             isinstance(s, bool)
@@ -77,6 +83,17 @@ class DMAConfig:
     def all_low(cls, **kwargs) -> "DMAConfig":
         """Every pair in the low (4-bit) format."""
         return cls(diag_tiles=0, sink_tiles=0, **kwargs)
+
+    @classmethod
+    def hopper_fast(cls, **kwargs) -> "DMAConfig":
+        """The fast preset for Hopper (H100/H200): every pair in MXFP8 and an FP8 P·V.
+
+        On sm_90 the kernel multiplies both the 8-bit and the 4-bit copies on the
+        same FP8 tensor cores, so 4-bit tiles cost as much as 8-bit ones: the preset
+        keeps all pairs high (one copy of Q and K to write instead of two) and
+        spends the saved error on ``pv="fp8"``. README "Speed" has its error and speed.
+        """
+        return cls(diag_tiles=ALL_TILES, pv="fp8", **kwargs)
 
     def softmax_scale(self, head_dim: int) -> float:
         """The softmax scale for ``head_dim`` (``sm_scale`` or ``head_dim**-0.5``)."""

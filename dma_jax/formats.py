@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FORMATS", "Format", "Quantized", "get_format", "quantize", "dequantize"]
+__all__ = ["FORMATS", "Format", "Quantized", "get_format", "quantize", "dequantize", "fp8_per_token", "fp8_per_channel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +202,9 @@ def _quantize_nvfp4(
     x: jax.Array, fmt: Format
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     amax_token = _abs_max(x, -1)
-    s2 = div_rn(amax_token, jnp.float32(NVFP4_TOKEN_DIVISOR))
+    # A token whose scale would be a float32 subnormal (amax < 2688 * 2^-126) counts
+    # as all-zero, on every backend (XLA CPU flushes it, GPUs need not).
+    s2 = flush_subnormals(div_rn(amax_token, jnp.float32(NVFP4_TOKEN_DIVISOR)))
     s2 = jnp.where(s2 == 0, jnp.float32(1.0), s2)[..., None, None]
     xb = _blocks(x, fmt.block)
     amax_block = _abs_max(xb, -1, keepdims=True)
@@ -263,9 +265,71 @@ def _dequantize(q: Quantized, f: Format) -> jax.Array:
     codes = unpack_nibbles(q.codes) if f.packed else q.codes
     values = _blocks(_element_values(codes, f), f.block)
     if f.scale == "e8m0":
-        scale = jax.lax.bitcast_convert_type(q.scales, jnp.float8_e8m0fnu)
-        out = values * scale.astype(jnp.float32)[..., None]
+        # 2^(s - 127) in two normal factors: 2^-127 itself is a float32 subnormal,
+        # which XLA flushes, while element x 2^-127 is normal for every nonzero code.
+        e = q.scales.astype(jnp.int32) - 127
+        low = e < -100
+        out = (values * _pow2(jnp.where(low, e + 64, e))[..., None]) * jnp.where(low, 2.0**-64, 1.0)[..., None]
+        out = jnp.where((q.scales == 255)[..., None], jnp.nan, out)
     else:
         sb = _element_values(q.scales, _E4M3)[..., None]
         out = (values * sb) * q.token_scale[..., None, None]
     return out.reshape(*out.shape[:-2], -1)
+
+
+def fp8_per_token(q: Quantized, fmt: str) -> tuple[jax.Array, jax.Array]:
+    """The tensor-core-ready copy of a quantized tensor: E4M3 values and one float32
+    scale per token, ``x ≈ values * token_scale[..., None]`` (what the sm_90 kernel reads).
+
+    MX formats: ``token_scale = 2^T`` with ``T = max_b(X_b) + emax - 8`` (at least -126)
+    over the token's block exponents ``X_b``, and ``values = RTNE_E4M3(e · 2^(X_b - T))``.
+    That is exact unless a block lies so far below the token's largest block that its
+    elements fall into E4M3's subnormal range (below 2^-6).
+    NVFP4: ``token_scale = 8 · s2`` and ``values = RTNE_E4M3(e · sb / 8)``. The product
+    ``e · sb`` of an E2M1 element and an E4M3 block scale has up to 5 significant bits,
+    E4M3 keeps 4, so each element moves by at most 2^-4 of itself (and elements below
+    2^-9 · token_scale round to subnormals or zero).
+    A token with a non-finite block gets a NaN scale and zero values.
+    Returns (float32 values ``[..., D]``, float32 ``token_scale [...]``).
+    """
+    return _fp8_per_token(q, get_format(fmt))
+
+
+@partial(jax.jit, static_argnums=1)
+def _fp8_per_token(q: Quantized, f: Format) -> tuple[jax.Array, jax.Array]:
+    codes = unpack_nibbles(q.codes) if f.packed else q.codes
+    e = _blocks(_element_values(codes, f), f.block)  # [..., NB, block]
+    if f.scale == "e8m0":
+        finite = q.scales != 255
+        x_b = q.scales.astype(jnp.int32) - 127
+        top = jnp.max(jnp.where(finite, x_b, -127), axis=-1, keepdims=True)
+        t = jnp.maximum(top + f.emax - 8, -126)
+        shift = jnp.maximum(x_b - t, -126)
+        values = round_to_element(e * _pow2(shift)[..., None], _E4M3)
+        token = _pow2(t[..., 0])
+    else:
+        finite = q.scales != 0x7F
+        sb = _element_values(q.scales, _E4M3)
+        values = round_to_element(e * jnp.where(finite, sb, 0.0)[..., None] * 0.125, _E4M3)
+        token = q.token_scale * 8.0
+    values = jnp.where(finite[..., None], values, 0.0)
+    token = jnp.where(jnp.all(finite, axis=-1), token, jnp.nan)
+    return values.reshape(*values.shape[:-2], -1), token
+
+
+def fp8_per_channel(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """E4M3 values of ``x`` with one power-of-two scale per channel, the amax taken
+    along ``axis`` (V for the optional FP8 P·V, scaled over its tokens).
+
+    ``scale = 2^clip(floor(log2(amax)) - 7, -126, 127)``, so the largest value lands in
+    [128, 256) and nothing saturates; ``values = RTNE_E4M3(x / scale)``. A channel with
+    a NaN or Inf gets a NaN scale and zero values. Returns float32 (values with
+    ``x``'s shape, scales with ``axis`` removed).
+    """
+    x = flush_subnormals(jnp.asarray(x).astype(jnp.float32))
+    amax = _abs_max(x, axis, keepdims=True)
+    finite = jnp.isfinite(amax)
+    t = jnp.clip(_exponent(jnp.where(finite, amax, 0.0)) - 7, -126, 127)
+    values = jnp.where(finite, round_to_element(x * _pow2(-t), _E4M3), 0.0)
+    scale = jnp.where(finite, _pow2(t), jnp.nan)
+    return values, jnp.squeeze(scale, axis)

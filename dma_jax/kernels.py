@@ -1,8 +1,9 @@
 """The CUDA lowering of ``dma_attention``: the Triton kernels through jax-triton.
 
-Five launches per call, the same kernels the torch front end runs: the
-smooth-K mean (partial sums, then their fixed-order total), the dual
-quantization of Q and of K, and the attention kernel. jax-triton has no dtype
+Five launches per call (seven with ``pv="fp8"``), the same kernels the torch
+front end runs: the smooth-K mean (partial sums, then their fixed-order total),
+the dual quantization of Q and of K, for the FP8 P·V V's channel amax and its
+transposed E4M3 copy, and the attention kernel. jax-triton has no dtype
 for float8/E8M0/FP4, so codes and scales travel as uint8.
 """
 
@@ -52,45 +53,60 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
 
 
 def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int):
-    """DMA through the Triton kernels; same contract as ``reference.dma_reference``."""
+    """DMA through the Triton kernels; same contract as ``reference.dma_reference``
+    (with ``operands="fp8"`` for the tiles that are not native)."""
     jt = import_jax_triton()
     batch, q_len, q_heads, dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     high, low = config.high, config.low
 
+    def channel_partials(x, amax):
+        grid, _, part_shape, _ = quant.mean_launches(x.shape)
+        return jt.triton_call(
+            x, x.shape[1], x.shape[2], quant.MEAN_CHUNK, kernel=quant._channel_reduce_kernel,
+            out_shape=_sds(part_shape, np.float32), grid=grid, D=dim, BLOCK_T=quant.MEAN_BLOCK_T, AMAX=amax,
+        )
+
     mean = k
     if config.smooth_k:
-        grid_sum, grid_mean, part_shape, n_chunks = quant.mean_launches(k.shape)
-        parts = jt.triton_call(
-            k, kv_len, kv_heads, quant.MEAN_CHUNK, kernel=quant._channel_sum_kernel,
-            out_shape=_sds(part_shape, np.float32), grid=grid_sum, D=dim, BLOCK_T=quant.MEAN_BLOCK_T,
-        )
+        _, grid_mean, _, n_chunks = quant.mean_launches(k.shape)
         mean = jt.triton_call(
-            parts, kv_len, kv_heads, n_chunks, kernel=quant._channel_mean_kernel,
+            channel_partials(k, False), kv_len, kv_heads, n_chunks, kernel=quant._channel_mean_kernel,
             out_shape=_sds((batch, kv_heads, dim), np.float32), grid=grid_mean, D=dim,
         )
 
     native = attn.native_formats(_capability(), low)
-    values = not all(native)  # the bf16 copies feed the tiles that are not native
+    has_lo = not attn.all_high(q_len, kv_len, q_offset, config.diag_tiles)
+    copies = dict(codes=any(native), fp8=not all(native), write_lo=has_lo)
 
     def dual(x, shift, fold, smooth):
         return jt.triton_call(
             x, shift, np.float32(fold), x.shape[1], x.shape[2], kernel=quant._dual_quantize_kernel,
-            out_shape=[_sds(s, d) for s, d in quant.quantize_outputs(x.shape, high, low, values)],
+            out_shape=[_sds(s, d) for s, d in quant.quantize_outputs(x.shape, high, low, **copies)],
             grid=quant.quantize_grid(x.shape), num_warps=quant.QUANTIZE_WARPS,
-            **quant.quantize_meta(dim, high, low, smooth, values),
+            **quant.quantize_meta(dim, high, low, smooth, **copies),
         )
 
     q8 = dual(q, q, softmax_fold(config.softmax_scale(dim)), False)
     k8 = dual(k, mean, 1.0, config.smooth_k)
-    n_tiles, tile0 = attn.query_tiles(q_len, q_offset)
+    pv_fp8 = config.pv == "fp8"
+    vt = v_scale = v
+    if pv_fp8:
+        _, _, _, n_chunks = quant.mean_launches(v.shape)
+        vt, v_scale = jt.triton_call(
+            v, channel_partials(v, True), kv_len, kv_heads, n_chunks, kernel=quant._fp8_transpose_kernel,
+            out_shape=[_sds((batch, kv_heads, dim, kv_len), np.uint8), _sds((batch, kv_heads, dim), np.float32)],
+            grid=quant.transpose_grid(v.shape), D=dim, BLOCK_T=quant.TRANSPOSE_BLOCK_T,
+        )
+    launch = attn.launch_config(dim, causal, pv_fp8)
+    n_blocks, block0 = attn.query_blocks(q_len, q_offset, launch.block_m)
     meta = attn.attention_meta(
-        dim, causal=causal, high=high, low=low, native=native,
-        v_dtype_is_f32=q.dtype == jnp.float32, interpret=False,
+        dim, causal=causal, high=high, low=low, native=native, has_lo=has_lo, pv_fp8=pv_fp8,
+        v_dtype_is_f32=q.dtype == jnp.float32, interpret=False, launch=launch,
     )
     return jt.triton_call(
-        *q8, *k8, v, q_len, kv_len, q_heads, kv_heads, q_offset, tile0,
+        *q8, *k8, v, vt, v_scale, q_len, kv_len, q_heads, kv_heads, q_offset, block0,
         config.diag_tiles, config.sink_tiles, kernel=attn._dma_attention_kernel,
-        out_shape=_sds(q.shape, q.dtype), grid=(n_tiles, q_heads, batch),
-        num_warps=attn.NUM_WARPS, num_stages=attn.NUM_STAGES, **meta,
+        out_shape=_sds(q.shape, q.dtype), grid=(n_blocks, q_heads, batch),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **meta,
     )

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import DMAConfig
-from .formats import dequantize, quantize
+from .formats import FORMATS, dequantize, fp8_per_channel, fp8_per_token, quantize, round_to_element
 from .validation import check_attention_inputs, resolve_q_offset
 
 __all__ = ["reference_attention", "exact_attention", "pair_is_high", "high_pair_fraction"]
@@ -78,6 +78,7 @@ def _attend(
     q_offset: int,
     high_fn,
     p_dtype,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Base-2 softmax attention on prepared float32 operands, chunked over queries.
 
@@ -85,6 +86,8 @@ def _attend(
     ``k_*, v: [B, Lk, Hkv, D]``. When ``q_lo`` is given, ``high_fn(q_pos, k_pos)``
     picks per pair between the ``*_hi`` and ``*_lo`` scores. P is rounded to
     ``p_dtype`` before P·V; the normaliser uses the unrounded fp32 P.
+    With ``v_scale [B, Hkv, D]`` (FP8 P·V), ``v`` holds E4M3 values, P is computed
+    times 2^8 and rounded to E4M3, and the product is scaled back per channel.
     Returns float32 ``[B, Lq, Hq, D]``.
     """
     batch, q_len, q_heads, dim = q_hi.shape
@@ -113,10 +116,17 @@ def _attend(
             s = jnp.where(k_pos[None, :] <= q_pos, s, -jnp.inf)
         m = jnp.max(s, axis=-1, keepdims=True)
         # A row without any valid key has m = -inf: keep P = 0 there, not NaN.
-        p = jnp.exp2(s - jnp.where(m == -jnp.inf, 0.0, m))
+        # FP8 P·V: P times 2^8 (at most 256) keeps small probabilities out of
+        # E4M3's subnormals; the normaliser carries the same factor.
+        p = jnp.exp2(s - jnp.where(m == -jnp.inf, 0.0, m) + (8.0 if v_scale is not None else 0.0))
         l = jnp.sum(p, axis=-1)
-        p = p.astype(p_dtype).astype(jnp.float32)
+        if v_scale is None:
+            p = p.astype(p_dtype).astype(jnp.float32)
+        else:
+            p = round_to_element(p, FORMATS["mxfp8_e4m3"])
         o = jnp.einsum("bhgqk,bkhd->bhgqd", p, v, precision=_HIGHEST)
+        if v_scale is not None:
+            o = o * v_scale[:, :, None, None, :]
         o = jnp.where(l[..., None] == 0, 0.0, o / l[..., None])
         return jnp.moveaxis(o, (1, 2), (2, 3))  # [B, chunk, Hkv, G, D]
 
@@ -127,7 +137,13 @@ def _attend(
     return out[:, :q_len]
 
 
-def _dequantized(x: jax.Array, fmt: str) -> jax.Array:
+OPERANDS = ("exact", "fp8")
+
+
+def _dequantized(x: jax.Array, fmt: str, operands: str) -> jax.Array:
+    if operands == "fp8":
+        values, token = fp8_per_token(quantize(x, fmt), fmt)
+        return values * token[..., None]
     return dequantize(quantize(x, fmt), fmt)
 
 
@@ -139,8 +155,15 @@ def dma_reference(
     causal: bool,
     config: DMAConfig,
     q_offset: int,
+    operands: str = "exact",
 ) -> jax.Array:
-    """DMA on validated inputs with a resolved ``q_offset`` (the primitive's body)."""
+    """DMA on validated inputs with a resolved ``q_offset`` (the primitive's body).
+
+    ``operands="fp8"`` computes Q·Kᵀ from the per-token FP8 copies that the sm_90
+    kernel reads (``formats.fp8_per_token``) instead of the exact MX values.
+    """
+    if operands not in OPERANDS:
+        raise ValueError(f"operands must be one of {OPERANDS}; got {operands!r}")
     q_len, kv_len, dim = q.shape[1], k.shape[1], q.shape[3]
     k32 = k.astype(jnp.float32)
     if config.smooth_k:
@@ -150,19 +173,22 @@ def dma_reference(
 
     uniform = _uniform_precision(config, causal, q_len, kv_len, q_offset)
     if uniform is None:
-        q_hi, k_hi = _dequantized(q32, config.high), _dequantized(k32, config.high)
-        q_lo, k_lo = _dequantized(q32, config.low), _dequantized(k32, config.low)
+        q_hi, k_hi = _dequantized(q32, config.high, operands), _dequantized(k32, config.high, operands)
+        q_lo, k_lo = _dequantized(q32, config.low, operands), _dequantized(k32, config.low, operands)
     else:
         fmt = config.high if uniform == "high" else config.low
-        q_hi, k_hi = _dequantized(q32, fmt), _dequantized(k32, fmt)
+        q_hi, k_hi = _dequantized(q32, fmt, operands), _dequantized(k32, fmt, operands)
         q_lo = k_lo = None
 
     def high_fn(q_pos, k_pos):
         return pair_is_high(q_pos, k_pos, causal=causal, config=config)
 
+    v32, v_scale = v.astype(jnp.float32), None
+    if config.pv == "fp8":
+        v32, v_scale = fp8_per_channel(v, axis=1)
     out = _attend(
-        q_hi, q_lo, k_hi, k_lo, v.astype(jnp.float32),
-        causal=causal, q_offset=q_offset, high_fn=high_fn, p_dtype=q.dtype,
+        q_hi, q_lo, k_hi, k_lo, v32,
+        causal=causal, q_offset=q_offset, high_fn=high_fn, p_dtype=q.dtype, v_scale=v_scale,
     )
     return out.astype(q.dtype)
 
@@ -175,6 +201,7 @@ def reference_attention(
     causal: bool = True,
     config: DMAConfig | None = None,
     q_offset: int | None = None,
+    operands: str = "exact",
 ) -> jax.Array:
     """DMA attention in plain jnp: the numerical oracle of every backend.
 
@@ -184,6 +211,9 @@ def reference_attention(
       causal: mask keys after each query's position.
       config: :class:`DMAConfig` (default ``DMAConfig()``).
       q_offset: absolute position of query row 0; default ``kv_len - q_len``.
+      operands: ``"exact"`` (DESIGN.md §3.4: the MX values themselves) or ``"fp8"``
+        (the per-token E4M3 copies that Hopper's tensor cores read; exact for MX
+        formats except E4M3 subnormals, within 2^-4 per element for NVFP4).
 
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in the input dtype.
@@ -192,7 +222,7 @@ def reference_attention(
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     offset = resolve_q_offset(q.shape[1], k.shape[1], q_offset)
     return dma_reference(
-        q, k, v, causal=causal, config=config or DMAConfig(), q_offset=offset
+        q, k, v, causal=causal, config=config or DMAConfig(), q_offset=offset, operands=operands
     )
 
 

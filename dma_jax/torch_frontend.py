@@ -50,5 +50,5 @@ def torch_attention(
         return dma_attention(
             q.contiguous(), k.contiguous(), v.contiguous(), causal=causal, q_offset=offset,
             diag_tiles=config.diag_tiles, sink_tiles=config.sink_tiles, high=config.high,
-            low=config.low, smooth_k=config.smooth_k, sm_scale=config.softmax_scale(q.shape[3]),
+            low=config.low, smooth_k=config.smooth_k, sm_scale=config.softmax_scale(q.shape[3]), pv=config.pv,
         )

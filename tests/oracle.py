@@ -56,7 +56,7 @@ def quantize(x, fmt):
         else:
             amax_t = np.abs(x).max(-1)
             s2 = (amax_t / np.float32(2688)).astype(np.float32)
-            s2 = np.where(s2 == 0, np.float32(1), s2).astype(np.float32)
+            s2 = np.where(s2 < np.float32(2.0**-126), np.float32(1), s2).astype(np.float32)  # flushed: "zero"
             s2b = s2[..., None, None]
             amax_b = np.abs(xb).max(-1, keepdims=True)
             sb_f = (amax_b / (np.float32(6) * s2b)).astype(np.float32)
@@ -77,6 +77,49 @@ def quantize(x, fmt):
     return codes, scales, token, deq.reshape(x.shape)
 
 
+def _e4m3(values):
+    return _cast(values, ml_dtypes.float8_e4m3fn, 448.0)[1]
+
+
+def fp8_per_token(x, fmt):
+    """(float64 E4M3 values, float64 token scale) of the per-token FP8 copy
+    (the sm_90 kernel's operand), built from this module's own quantize."""
+    codes, scales, token, deq = quantize(x, fmt)
+    block = ELEMENT[fmt][3]
+    with np.errstate(invalid="ignore", over="ignore"):
+        if fmt != "nvfp4":
+            finite = scales != 255
+            e = scales.astype(np.int64) - 127
+            t = np.maximum(np.where(finite, e, -127).max(-1) + ELEMENT[fmt][2] - 8, -126)
+            scale = 2.0 ** t.astype(np.float64)
+            blocks = deq.reshape(*deq.shape[:-1], -1, block)
+            vals = _e4m3(np.where(finite[..., None], blocks, 0) / scale[..., None, None])
+        else:
+            finite = scales != 0x7F
+            nib = np.stack([codes & 0xF, codes >> 4], -1).reshape(*codes.shape[:-1], -1)
+            elem = nib.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+            sb = np.where(finite, scales.view(ml_dtypes.float8_e4m3fn).astype(np.float64), 0)
+            blocks = elem.reshape(*elem.shape[:-1], -1, block) * sb[..., None]
+            vals = _e4m3(blocks / 8)
+            scale = token.astype(np.float64) * 8
+        vals = np.where(finite[..., None], vals, 0).reshape(deq.shape)
+        scale = np.where(finite.all(-1), scale, np.nan)
+    return vals, scale
+
+
+def fp8_per_channel(x, axis):
+    """(float64 E4M3 values, power-of-two scales) with the amax along ``axis``."""
+    x = _flush(x).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        amax = np.abs(x).max(axis, keepdims=True)
+        finite = np.isfinite(amax)
+        _, ex = np.frexp(np.where(finite, amax, 0))
+        t = np.clip(np.where(amax > 0, ex - 1, -127) - 7, -126, 127)
+        vals = np.where(finite, _e4m3(np.where(finite, x, 0) / 2.0**t), 0)
+        scale = np.where(finite, 2.0**t, np.nan)
+    return vals, np.squeeze(scale, axis)
+
+
 def is_high(p, t, causal, diag, sink, tile=128):
     tq, tk = p // tile, t // tile
     near = (tq - tk) if causal else np.abs(tq - tk)
@@ -85,8 +128,11 @@ def is_high(p, t, causal, diag, sink, tile=128):
 
 def dma_attention(q, k, v, *, causal=True, diag=1, sink=1, high="mxfp8_e4m3",
                   low="nvfp4", smooth_k=True, sm_scale=None, q_offset=None,
-                  p_dtype=None):
-    """Float64 DMA per DESIGN.md §3.2-3.4; ``diag=None`` means exact (no quantization)."""
+                  p_dtype=None, operands="exact", pv="input"):
+    """Float64 DMA per DESIGN.md §3.2-3.4; ``diag=None`` means exact (no quantization).
+
+    ``operands="fp8"``: Q·Kᵀ from the per-token FP8 copies. ``pv="fp8"``: P·2^8 and V
+    (per-channel scale) rounded to E4M3."""
     q32, k32, v64 = (np.asarray(a, np.float32) for a in (q, k, v))
     v64 = v64.astype(np.float64)
     b, lq, hq, d = q32.shape
@@ -104,9 +150,11 @@ def dma_attention(q, k, v, *, causal=True, diag=1, sink=1, high="mxfp8_e4m3",
         qs = (q32 * np.float32(scale * math.log2(math.e))).astype(np.float32)
         parts = {}
         for fmt in (high, low):
-            dq = quantize(qs, fmt)[3].reshape(b, lq, hkv, g, d)
-            dk = quantize(k32, fmt)[3]
-            parts[fmt] = np.einsum("bqhgd,bkhd->bhgqk", dq, dk)
+            if operands == "fp8":
+                dq, dk = (vals * scale[..., None] for vals, scale in (fp8_per_token(qs, fmt), fp8_per_token(k32, fmt)))
+            else:
+                dq, dk = quantize(qs, fmt)[3], quantize(k32, fmt)[3]
+            parts[fmt] = np.einsum("bqhgd,bkhd->bhgqk", dq.reshape(b, lq, hkv, g, d), dk)
         p = (off + np.arange(lq))[:, None]
         t = np.arange(lk)[None, :]
         s = np.where(is_high(p, t, causal, diag, sink), parts[high], parts[low])
@@ -116,11 +164,15 @@ def dma_attention(q, k, v, *, causal=True, diag=1, sink=1, high="mxfp8_e4m3",
         s = np.where(t <= p, s, -np.inf)
     m = s.max(-1, keepdims=True)
     with np.errstate(invalid="ignore"):
-        pr = np.exp2(s - np.where(m == -np.inf, 0, m))
+        pr = np.exp2(s - np.where(m == -np.inf, 0, m) + (8 if pv == "fp8" else 0))
     l = pr.sum(-1, keepdims=True)
-    if p_dtype is not None:
-        pr = pr.astype(np.float32).astype(p_dtype).astype(np.float64)
-    o = np.einsum("bhgqk,bkhd->bhgqd", pr, v64)
+    if pv == "fp8":
+        v8, v_scale = fp8_per_channel(v64, axis=1)
+        o = np.einsum("bhgqk,bkhd->bhgqd", _e4m3(pr), v8) * v_scale[:, :, None, None, :]
+    else:
+        if p_dtype is not None:
+            pr = pr.astype(np.float32).astype(p_dtype).astype(np.float64)
+        o = np.einsum("bhgqk,bkhd->bhgqd", pr, v64)
     with np.errstate(invalid="ignore", divide="ignore"):
         o = np.where(l == 0, 0, o / l)
     return np.moveaxis(o, 3, 1).reshape(b, lq, hq, d)

@@ -1,6 +1,8 @@
 """The Triton DMA kernel against dma_jax.reference_attention.
 
 On CPU the kernel runs in Triton's interpreter (conftest); on a GPU natively.
+Tiles that are not native (``tl.dot_scaled``) read the per-token FP8 copies, so
+the reference runs with ``operands="fp8"`` there, ``"exact"`` for native tiles.
 Tolerances: fp16 inputs ≤ 2e-3 relative L2. bf16 keeps 8 significant bits, and a
 flash kernel rounds P relative to its running row max while the reference
 rounds it relative to the final max: two bf16 roundings of P and of the output
@@ -21,7 +23,9 @@ import triton
 
 from dma_jax import DMAConfig, reference_attention
 from dma_jax.config import ALL_TILES
-from triton_kernels.dma import dma_attention
+from triton_kernels.attention import LaunchConfig, mx_attention
+from triton_kernels.dma import dma_attention, softmax_fold
+from triton_kernels.quantize import channel_mean, dual_quantize
 
 import oracle
 from conftest import HAS_CUDA
@@ -46,12 +50,15 @@ def kernel_vs_reference(q, k, v, *, causal, config, q_offset=None, native=None):
     out = dma_attention(
         q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal, q_offset=offset,
         diag_tiles=config.diag_tiles, sink_tiles=config.sink_tiles, high=config.high,
-        low=config.low, smooth_k=config.smooth_k, sm_scale=config.softmax_scale(d), native=native,
+        low=config.low, smooth_k=config.smooth_k, sm_scale=config.softmax_scale(d), pv=config.pv,
+        native=native,
     ).float().cpu().numpy()
+    operands = "exact" if native else "fp8"
     with jax.default_device(jax.devices("cpu")[0]):
         args = [jnp.asarray(x.float().numpy()).astype(JAX_DTYPES["bf16" if q.dtype == torch.bfloat16 else "fp16"])
                 for x in (q, k, v)]
-        ref = np.asarray(reference_attention(*args, causal=causal, config=config, q_offset=q_offset), np.float32)
+        ref = np.asarray(reference_attention(*args, causal=causal, config=config, q_offset=q_offset,
+                                             operands=operands), np.float32)
     return out, ref
 
 
@@ -126,42 +133,104 @@ def test_native_dot_scaled_mx_path(diag, sink):
     assert oracle.rel_l2(out, ref) <= 2e-3
 
 
-SM100_PTX = """
+def sink_dominated(seed, lq, lk, hq, hkv, d):
+    """Inputs whose every query row peaks at key 0: a flash kernel's running max is
+    then final from the first key block, so it rounds P exactly like the reference."""
+    q, k, v = make(seed, 1, lq, lk, hq, hkv, d, "fp16")
+    q, k = q.float(), k.float()
+    q[..., 0] = q[..., 0].abs() + 2.0
+    k[:, 0, :, 0] = 60.0
+    return q.half(), k.half(), v
+
+
+@pytest.mark.parametrize("causal,low", [(True, "nvfp4"), (False, "mxfp4")])
+def test_fp8_pv_matches_reference(causal, low):
+    q, k, v = sink_dominated(11, 300, 300, 4, 2, 64)
+    cfg = DMAConfig(low=low, pv="fp8")
+    out, ref = kernel_vs_reference(q, k, v, causal=causal, config=cfg)
+    assert oracle.rel_l2(out, ref) <= 2e-3
+    _, ref_input_pv = kernel_vs_reference(q, k, v, causal=causal, config=DMAConfig(low=low))
+    assert oracle.rel_l2(out, ref_input_pv) > 4e-3  # it is an FP8 P·V, not the default one
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_fp8_pv_on_diffuse_attention(dtype):
+    """Without a dominant key the kernel rounds P against its running max and the
+    reference against the final one; E4M3's 3 mantissa bits make that ~1e-2."""
+    q, k, v = make(12, 1, 260, 260, 2, 1, 64, dtype)
+    cfg = DMAConfig.all_high(pv="fp8")
+    out, ref = kernel_vs_reference(q, k, v, causal=False, config=cfg)
+    assert oracle.rel_l2(out, ref) <= 3e-2
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("block_m,block_n", [(64, 64), (64, 128), (128, 128)])
+def test_launch_shapes(block_m, block_n):
+    """Every launch shape the tuning table may pick gives the same attention."""
+    q, k, v = make(13, 1, 300, 300, 2, 1, 64, "fp16")
+    cfg = DMAConfig(diag_tiles=2)
+    launch = LaunchConfig(block_m, block_n, 4, 2)
+    q8 = dual_quantize(q.to(DEVICE), fold=softmax_fold(64**-0.5), codes=False, fp8=True)
+    k8 = dual_quantize(k.to(DEVICE), mean=channel_mean(k.to(DEVICE)), codes=False, fp8=True)
+    for causal, offset in ((True, 0), (False, 0), (False, -70)):
+        out = mx_attention(q8, k8, v.to(DEVICE), q_len=300, causal=causal, q_offset=offset, diag=2, sink=1,
+                           high=cfg.high, low=cfg.low, native=(False, False), launch=launch).float().cpu().numpy()
+        _, ref = kernel_vs_reference(q, k, v, causal=causal, config=cfg, q_offset=offset)
+        assert oracle.rel_l2(out, ref) <= 2e-3, (causal, offset)
+
+
+COMPILE_PTX = """
 import re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton_kernels.attention import _dma_attention_kernel, attention_meta
+from triton_kernels.attention import _dma_attention_kernel, attention_meta, launch_config
 
-low, native_low = sys.argv[1], sys.argv[2] == "1"
-types = {"*u8": ["qh_codes", "qh_scales", "ql_codes", "ql_scales", "kh_codes", "kh_scales", "kl_codes", "kl_scales"],
-         "*fp32": ["ql_token", "kl_token"],
-         "*bf16": ["qh_values", "ql_values", "kh_values", "kl_values", "v_ptr", "o_ptr"],
-         "i32": ["Lq", "Lk", "HQ", "HKV", "q_offset", "tile0", "diag", "sink"]}
+arch, low, native, pv_fp8 = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
+types = {"*u8": [f"{x}{c}_{f}" for x in "qk" for c in "hl" for f in ("codes", "scales", "f8")] + ["vt_ptr"],
+         "*fp32": [f"{x}{c}_ts" for x in "qk" for c in "hl"] + ["ql_token", "kl_token", "v_scale"],
+         "*bf16": ["v_ptr", "o_ptr"],
+         "i32": ["Lq", "Lk", "HQ", "HKV", "q_offset", "block0", "diag", "sink"]}
 signature = {name: ty for ty, names in types.items() for name in names}
-meta = attention_meta(128, causal=True, high="mxfp8_e4m3", low=low, native=(True, native_low),
-                      v_dtype_is_f32=False, interpret=False)
+launch = launch_config(128, True, pv_fp8)
+meta = attention_meta(128, causal=True, high="mxfp8_e4m3", low=low, native=(arch >= 100, native), has_lo=True,
+                      pv_fp8=pv_fp8, v_dtype_is_f32=False, interpret=False, launch=launch)
 signature.update({name: "constexpr" for name in meta})
 src = ASTSource(fn=_dma_attention_kernel, signature=signature, constexprs=meta)
-ptx = triton.compile(src, target=GPUTarget("cuda", 100, 32)).asm["ptx"]
+ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                     options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages)).asm["ptx"]
 print(sorted(set(re.findall(r"tcgen05[.]mma[.]cta_group::1[.]kind::([a-z0-9]+)[.]block_scale[.]([a-z0-9]+)", ptx))))
+print(sorted(set(re.findall(r"wgmma[.]mma_async[.]sync[.]aligned[.]m64n[0-9]+k[0-9]+[.]f32[.]([a-z0-9]+)[.]", ptx))))
 """
 
 
-def _sm100_mma_kinds(low: str, native_low: bool) -> str:
+def _compiled_mma_kinds(arch: int, low: str, native_low: bool, pv_fp8: bool = False) -> str:
     # A compiled (not interpreted) kernel is needed: run without TRITON_INTERPRET.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = pathlib.Path(__file__).parents[1]
-    done = subprocess.run([sys.executable, "-c", SM100_PTX, low, "1" if native_low else "0"],
+    args = [str(arch), low, "1" if native_low else "0", "1" if pv_fp8 else "0"]
+    done = subprocess.run([sys.executable, "-c", COMPILE_PTX, *args],
                           cwd=root, env=env, capture_output=True, text=True, check=True)
     return done.stdout
 
 
-@pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9),
-                    reason="AOT compilation for sm_100 needs triton >= 3.9 (the device image has 3.6)")
+NEEDS_TRITON_39 = pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9),
+                                     reason="AOT compilation for sm_100 needs triton >= 3.9 (the device image has 3.6)")
+
+
+@NEEDS_TRITON_39
+def test_sm90_ptx_uses_fp8_wgmma():
+    """Without a GPU: compile for H100/H200 (sm_90). Q·Kᵀ runs on E4M3 wgmma; P·V
+    on bf16 wgmma by default and on E4M3 wgmma with pv="fp8"."""
+    tcgen05, wgmma = _compiled_mma_kinds(90, "nvfp4", False).splitlines()
+    assert tcgen05 == "[]" and wgmma == "['bf16', 'e4m3']"
+    assert _compiled_mma_kinds(90, "nvfp4", False, pv_fp8=True).splitlines()[1] == "['e4m3']"
+
+
+@NEEDS_TRITON_39
 def test_sm100_ptx_uses_block_scaled_tcgen05_mma():
     """Without a GPU: compile for B200 (sm_100) and look for the block-scaled MMAs."""
-    kinds = _sm100_mma_kinds("mxfp4", True)
+    kinds = _compiled_mma_kinds(100, "mxfp4", True)
     assert "('mxf8f6f4', 'block32')" in kinds  # the MXFP8 tiles
     assert "('mxf4', 'block32')" in kinds  # the MXFP4 tiles
-    assert "('mxf4nvf4', 'block16')" in _sm100_mma_kinds("nvfp4", True)  # NVFP4 tiles, forced native
+    assert "('mxf4nvf4', 'block16')" in _compiled_mma_kinds(100, "nvfp4", True)  # NVFP4 tiles, forced native

@@ -11,8 +11,8 @@ from dma_jax.config import ALL_TILES
 
 def test_defaults_follow_the_paper():
     c = DMAConfig()
-    assert (c.diag_tiles, c.sink_tiles, c.high, c.low, c.smooth_k, c.sm_scale, c.tile_size) == (
-        1, 1, "mxfp8_e4m3", "nvfp4", True, None, 128)
+    assert (c.diag_tiles, c.sink_tiles, c.high, c.low, c.smooth_k, c.sm_scale, c.tile_size, c.pv) == (
+        1, 1, "mxfp8_e4m3", "nvfp4", True, None, 128, "input")
     assert c.softmax_scale(128) == 128**-0.5
     assert DMAConfig(sm_scale=0.1).softmax_scale(128) == 0.1
 
@@ -29,6 +29,9 @@ def test_presets():
     assert DMAConfig.all_high().diag_tiles == ALL_TILES
     low = DMAConfig.all_low(low="mxfp4")
     assert (low.diag_tiles, low.sink_tiles, low.low) == (0, 0, "mxfp4")
+    fast = DMAConfig.hopper_fast()
+    assert (fast.diag_tiles, fast.pv, fast.high) == (ALL_TILES, "fp8", "mxfp8_e4m3")
+    assert DMAConfig.hopper_fast(sm_scale=0.1).sm_scale == 0.1
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -39,6 +42,7 @@ def test_presets():
     ("low", "int4", r"DMAConfig.low must be one of \('nvfp4', 'mxfp4'\); got 'int4'"),
     ("smooth_k", "yes", r"DMAConfig.smooth_k must be one of \(True, False\); got 'yes'"),
     ("tile_size", 64, r"DMAConfig.tile_size must be one of \(128,\); got 64"),
+    ("pv", "bf16", r"DMAConfig.pv must be one of \('input', 'fp8'\); got 'bf16'"),
     ("sm_scale", 0.0, r"DMAConfig.sm_scale must be None or a finite float > 0; got 0.0"),
     ("sm_scale", float("nan"), r"sm_scale must be None or a finite float > 0; got nan"),
     ("sm_scale", np.float32(0.1), r"sm_scale must be None or a finite float > 0"),

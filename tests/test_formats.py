@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from dma_jax import FORMATS, dequantize, quantize
-from dma_jax.formats import get_format, pack_nibbles, unpack_nibbles
+from dma_jax.formats import fp8_per_channel, fp8_per_token, get_format, pack_nibbles, unpack_nibbles
 
 import oracle
 
@@ -195,6 +195,17 @@ def test_bad_arguments():
         quantize(jnp.ones((32,), jnp.int32), "mxfp4")
 
 
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("value", [2e-38, 1.7690853e-37, 1e-36, 3e-35])
+def test_tiny_normal_blocks(fmt, value):
+    """Blocks near the bottom of float32's normal range: an E8M0 scale of 2^-127
+    is itself subnormal, and NVFP4's s2 = amax / 2688 underflows (such tokens
+    encode as zeros). Found by the property test below."""
+    x = np.full((2, 64), value, np.float32)
+    x[1, ::3] *= -3.0
+    check_against_oracle(x, fmt)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     fmt=st.sampled_from(ALL),
@@ -202,3 +213,52 @@ def test_bad_arguments():
 )
 def test_property_matches_oracle(fmt, x):
     check_against_oracle(x, fmt)
+
+
+def check_fp8_copy(x, fmt):
+    want_vals, want_scale = oracle.fp8_per_token(x, fmt)
+    vals, scale = fp8_per_token(quantize(jnp.asarray(x), fmt), fmt)
+    np.testing.assert_array_equal(np.asarray(vals, np.float64), want_vals)
+    np.testing.assert_array_equal(np.asarray(scale, np.float64), want_scale)
+    return np.asarray(vals, np.float64) * np.asarray(scale, np.float64)[..., None]
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_fp8_per_token_copy_matches_oracle(fmt):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((6, 9, 128)).astype(np.float32) * rng.uniform(1e-3, 1e3, (6, 9, 1))
+    x[0, 0] = 0.0  # an all-zero token
+    x[0, 1, :32] *= 2.0**-12  # a block far below the token's largest
+    x[1, 2, 5] = np.nan
+    x[1, 3, 70] = -np.inf
+    check_fp8_copy(x, fmt)
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_fp8_per_token_copy_is_exact_for_mx_and_bounded_for_nvfp4(fmt):
+    """MX blocks shift exactly into a per-token E4M3 scale unless an element falls
+    below E4M3's normal range; NVFP4's e·sb moves by at most 2^-4 of itself."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((64, 128)).astype(np.float32)
+    got = check_fp8_copy(x, fmt)
+    deq = np.asarray(dequantize(quantize(jnp.asarray(x), fmt), fmt), np.float64)
+    _, scale = oracle.fp8_per_token(x, fmt)
+    normal = np.abs(deq) >= 2.0**-6 * scale[:, None]
+    assert normal.mean() > 0.9
+    if fmt == "nvfp4":
+        assert (np.abs(got - deq)[normal] <= 2.0**-4 * np.abs(deq)[normal]).all()
+        assert (got != deq).any()  # the bound is needed: some products are inexact
+    else:
+        np.testing.assert_array_equal(got[normal], deq[normal])
+
+
+def test_fp8_per_channel_matches_oracle():
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((2, 50, 3, 64)).astype(np.float32) * rng.uniform(1e-2, 1e2, (1, 1, 3, 64))
+    x[0, :, 1, 7] = 0.0  # an all-zero channel
+    x[1, 4, 2, 9] = np.nan
+    want_vals, want_scale = oracle.fp8_per_channel(x, axis=1)
+    vals, scale = fp8_per_channel(jnp.asarray(x), axis=1)
+    np.testing.assert_array_equal(np.asarray(vals, np.float64), want_vals)
+    np.testing.assert_array_equal(np.asarray(scale, np.float64), want_scale)
+    assert np.isnan(scale[1, 2, 9]) and np.abs(np.asarray(vals)).max() <= 256  # never saturates

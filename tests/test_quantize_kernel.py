@@ -9,13 +9,15 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
-from dma_jax import dequantize, quantize
+from dma_jax import quantize
 from dma_jax.formats import FORMATS as JAX_FORMATS
-from triton_kernels.quantize import FORMATS, channel_mean, dual_quantize
+from dma_jax.formats import fp8_per_channel, fp8_per_token
+from triton_kernels.quantize import FORMATS, channel_mean, dual_quantize, fp8_transpose
 
 from conftest import HAS_CUDA
 
@@ -30,6 +32,8 @@ def inputs(kind, shape, seed=0):
         x += 3.0 * rng.standard_normal((1, 1, shape[2], shape[3]))
     elif kind == "tiny":
         x *= 1e-30
+        x[0, 0] *= 1e-6  # NVFP4 scales below float32's normal range
+        x[-1, -1] = 1.7690853e-37
     elif kind == "zero":
         x[:] = 0.0
         x[0, 0, 0, :5] = -0.0
@@ -82,21 +86,43 @@ def test_head_dim_128_smooth_k_and_half_dtypes(low, dtype):
 
 
 @pytest.mark.parametrize("high,low", [("mxfp8_e4m3", "nvfp4"), ("mxfp8_e5m2", "mxfp4")])
-def test_bf16_values_are_exact_dequantized_codes(high, low):
-    """The bf16 copy the sm_90 kernel reads equals dma_jax.dequantize exactly
-    (for NVFP4: times the per-token scale, in float32, as dequantize does)."""
+def test_fp8_copies_equal_formats(high, low):
+    """The per-token E4M3 copies the sm_90 kernel reads equal
+    dma_jax.formats.fp8_per_token byte for byte, with the same token scales."""
     x = inputs("nan", (2, 37, 3, 128), seed=8)
+    x[1, 5, 2, :32] *= 2.0**-14  # a block far below its token's largest
     xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
-    got = dual_quantize(xt, high=high, low=low, fold=0.7, write_values=True)
+    got = dual_quantize(xt, high=high, low=low, fold=0.7, codes=False, fp8=True)
+    assert got.hi_codes is None and got.lo_codes is None and got.lo_token_scale is None
     x32 = (xt.float().cpu().numpy() * np.float32(0.7)).astype(np.float32)
     with jax.default_device(jax.devices("cpu")[0]):
-        want_hi = np.asarray(dequantize(quantize(jnp.asarray(x32), high), high))
-        want_lo = np.asarray(dequantize(quantize(jnp.asarray(x32), low), low))
-    np.testing.assert_array_equal(got.hi_values.float().cpu().numpy(), want_hi)
-    lo = got.lo_values.float().cpu().numpy()
-    if low == "nvfp4":
-        lo = lo * got.lo_token_scale.cpu().numpy()[..., None]
-    np.testing.assert_array_equal(lo, want_lo)
+        for fmt, f8, ts in ((high, got.hi_f8, got.hi_ts), (low, got.lo_f8, got.lo_ts)):
+            values, scale = fp8_per_token(quantize(jnp.asarray(x32), fmt), fmt)
+            want = np.asarray(values).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+            np.testing.assert_array_equal(f8.cpu().numpy(), want, err_msg=fmt)
+            np.testing.assert_array_equal(ts.cpu().numpy(), np.asarray(scale), err_msg=fmt)
+
+
+def test_write_lo_false_skips_the_low_copy():
+    xt = torch.from_numpy(inputs("random", (1, 20, 2, 64), seed=9)).to(torch.bfloat16).to(DEVICE)
+    got = dual_quantize(xt, codes=True, fp8=True, write_lo=False)
+    assert got.lo_codes is None and got.lo_f8 is None and got.lo_ts is None
+    full = dual_quantize(xt, codes=True, fp8=True)
+    assert torch.equal(got.hi_f8, full.hi_f8) and torch.equal(got.hi_codes, full.hi_codes)
+
+
+@pytest.mark.parametrize("length", [1, 70, 300])
+def test_fp8_transpose_equals_fp8_per_channel(length):
+    x = inputs("outliers", (2, length, 3, 64), seed=10)
+    x[1, 0, 2, 5] = np.nan
+    xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
+    vt, scale = fp8_transpose(xt)
+    assert vt.shape == (2, 3, 64, length) and scale.shape == (2, 3, 64)
+    with jax.default_device(jax.devices("cpu")[0]):
+        values, want_scale = fp8_per_channel(jnp.asarray(xt.float().cpu().numpy()), axis=1)
+    want = np.asarray(values).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).transpose(0, 2, 3, 1)
+    np.testing.assert_array_equal(vt.cpu().numpy(), want)
+    np.testing.assert_array_equal(scale.cpu().numpy(), np.asarray(want_scale))
 
 
 def test_single_token():

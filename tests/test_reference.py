@@ -122,3 +122,24 @@ def test_memory_is_bounded_at_8k_32_heads():
     stats = compiled.memory_analysis()
     total = stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
     assert total < 8 * 2**30, f"needs {total / 2**30:.1f} GiB"
+
+
+@pytest.mark.parametrize("low,causal", [("nvfp4", True), ("mxfp4", False)])
+def test_fp8_operands_and_fp8_pv_match_float64_oracle(low, causal):
+    """The Hopper numerics (per-token FP8 Q·Kᵀ operands, FP8 P·V) in the reference
+    against the same rules written independently in numpy."""
+    q, k, v = make_qkv(5, 1, 300, 300, 4, 2, 64)
+    for pv in ("input", "fp8"):
+        cfg = DMAConfig(low=low, smooth_k=False, pv=pv)
+        got = reference_attention(q, k, v, causal=causal, config=cfg, operands="fp8")
+        want = oracle.dma_attention(q, k, v, causal=causal, low=low, smooth_k=False,
+                                    operands="fp8", pv=pv)
+        assert oracle.rel_l2(got, want) < 1e-4
+    exact = oracle.dma_attention(q, k, v, causal=causal, low=low, smooth_k=False)
+    assert oracle.rel_l2(got, exact) > 1e-3  # the FP8 P·V is a different computation
+
+
+def test_unknown_operands_are_rejected():
+    q, k, v = make_qkv(6, 1, 8, 8, 2, 2, 64)
+    with pytest.raises(ValueError, match="operands must be one of"):
+        reference_attention(q, k, v, operands="bf16")

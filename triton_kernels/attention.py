@@ -24,28 +24,28 @@ Inputs are the outputs of ``triton_kernels.quantize`` (Q already carries
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .mx import round_to_bf16
+from .mx import round_to_bf16, round_to_element
 
-TILE = 128  # the classification tile of DESIGN.md §3.3, and BLOCK_M
-BLOCK_N = 64  # divides TILE: a key block never straddles two tiles
-NUM_WARPS = 8
-NUM_STAGES = 2
+TILE = 128  # the classification tile of DESIGN.md §3.3
+_TILE = tl.constexpr(TILE)  # the same, readable inside @triton.jit functions
 
 
 @triton.jit
-def _load_operand(codes_ptr, scales_ptr, values_ptr, rows, mask, D: tl.constexpr, FMT: tl.constexpr,
-                  NV: tl.constexpr, NATIVE: tl.constexpr, DOT_F32: tl.constexpr):
-    """Load a [R, D] operand of one format for rows ``rows`` (int64).
+def _load_operand(codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr, rows, mask, D: tl.constexpr,
+                  FMT: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr):
+    """Load a [R, D] Q or K operand of one format for rows ``rows`` (int64).
 
-    NATIVE: (codes, scales) as ``tl.dot_scaled`` takes them. Otherwise (values, 0):
-    the quantizer's bf16 copy of codes x block scales (exact), as float32 when
-    DOT_F32; NVFP4's per-token factor is applied to the scores instead.
+    Returns (operand, scale bytes, per-row factor). NATIVE: the codes and scale
+    bytes as ``tl.dot_scaled`` takes them, and NVFP4's s2 (else 1). Otherwise the
+    quantizer's per-token E4M3 copy (``dma_jax.formats.fp8_per_token``) for the FP8
+    tensor cores, with its token scale.
     """
     if NATIVE:
         BLOCK: tl.constexpr = 16 if NV else 32
@@ -56,133 +56,182 @@ def _load_operand(codes_ptr, scales_ptr, values_ptr, rows, mask, D: tl.constexpr
         scales = tl.load(scales_ptr + rows[:, None] * (D // BLOCK) + sc[None, :], mask=mask[:, None], other=0)
         if NV:
             scales = scales.to(tl.float8e4nv, bitcast=True)
-        return codes, scales
+            token = tl.load(token_ptr + rows, mask=mask, other=1.0)
+        else:
+            token = 1.0
+        return codes, scales, token
     else:
         cols = tl.arange(0, D)
-        values = tl.load(values_ptr + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0.0)
-        if DOT_F32:
-            return values.to(tl.float32), 0
-        else:
-            return values, 0
-
-
-@triton.jit
-def _scores(qa, qs, ka, ks, FMT: tl.constexpr, NATIVE: tl.constexpr):
-    """fp32 Q·Kᵀ of one format for a [BLOCK_M, BLOCK_N] tile."""
-    if NATIVE:
-        return tl.dot_scaled(qa, qs, FMT, tl.trans(ka), ks, FMT)
-    else:
-        return tl.dot(qa, tl.trans(ka), out_dtype=tl.float32)
+        values = tl.load(f8_ptr + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0)
+        return values.to(tl.float8e4nv, bitcast=True), 0, tl.load(ts_ptr + rows, mask=mask, other=1.0)
 
 
 @triton.jit
 def _attend_run(
-    acc, m_i, l_i, qa, qs, s2q, p,
-    k_codes, k_scales, k_token, k_values, v_ptr,
-    b, kvh, Lk, HKV, tile_lo, tile_hi,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    acc, m_i, l_i, qa, qs, qt, p,
+    k_codes, k_scales, k_token, k_f8, k_ts, v_ptr, vt_ptr,
+    b, kvh, Lk, HKV, lo, hi,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
     FMT: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr,
-    DOT_F32: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    PV_FP8: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
-    """Online softmax over key tiles [tile_lo, tile_hi), all in format FMT."""
+    """Online softmax over keys [lo, hi) (multiples of BLOCK_N), all in format FMT.
+
+    MASK=False is for blocks that are entirely valid (inside kv_len and, when
+    causal, at or before every query row): no mask arithmetic on the hot path.
+    """
     cols = tl.arange(0, D)
-    for n0 in range(tile_lo * BLOCK_M, tile_hi * BLOCK_M, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         t_ok = t < Lk  # keys past kv_len (tile padding) never contribute
         k_rows = ((b * Lk + t) * HKV + kvh).to(tl.int64)
-        ka, ks = _load_operand(k_codes, k_scales, k_values, k_rows, t_ok, D, FMT, NV, NATIVE, DOT_F32)
-        s = _scores(qa, qs, ka, ks, FMT, NATIVE)
-        if NV:
-            s2k = tl.load(k_token + k_rows, mask=t_ok, other=1.0)
-            s = (s * s2q[:, None]) * s2k[None, :]
-        valid = t_ok[None, :]
-        if CAUSAL:
-            valid = valid & (t[None, :] <= p[:, None])
-        s = tl.where(valid, s, float("-inf"))
+        ka, ks, kt = _load_operand(k_codes, k_scales, k_token, k_f8, k_ts, k_rows, t_ok, D, FMT, NV, NATIVE)
+        if NATIVE:
+            s = tl.dot_scaled(qa, qs, FMT, tl.trans(ka), ks, FMT)
+        else:
+            # FP8 x FP8 with both operands K-major (D contiguous); fp32 result.
+            s = tl.dot(qa, tl.trans(ka), out_dtype=tl.float32)
+        if NV or not NATIVE:
+            s = (s * qt[:, None]) * kt[None, :]
+        if MASK:
+            valid = t_ok[None, :]
+            if CAUSAL:
+                valid = valid & (t[None, :] <= p[:, None])
+            s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no valid key yet keeps m = -inf: use 0 so P = 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        pr = tl.exp2(s - m_safe[:, None])
+        if PV_FP8:
+            # P times 2^8 (at most 256): small probabilities stay out of E4M3's
+            # subnormals; l carries the same factor, so it cancels in acc / l.
+            pr = tl.exp2(s - (m_safe - 8.0)[:, None])
+        else:
+            pr = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
-        v = tl.load(v_ptr + k_rows[:, None] * D + cols[None, :], mask=t_ok[:, None], other=0.0)
-        # P is rounded to the input dtype before P·V, as in every flash kernel (§3.4).
-        if FIX_BF16 and v.dtype == tl.bfloat16:
-            pv_in = round_to_bf16(pr).to(tl.bfloat16)
+        if PV_FP8:
+            if FIX_BF16:
+                pr = round_to_element(pr, 3, -6, 448.0)
+            # V^T [D, BLOCK_N] bytes: the K-major B operand of an FP8 P·V. Each
+            # block's product starts from zero (Hopper's FP8 accumulator keeps
+            # ~22 bits) and is added to acc in fp32.
+            vt = tl.load(vt_ptr + (((b * HKV + kvh) * D + cols).to(tl.int64) * Lk)[:, None] + t[None, :],
+                         mask=t_ok[None, :], other=0)
+            pv = tl.dot(pr.to(tl.float8e4nv), tl.trans(vt.to(tl.float8e4nv, bitcast=True)), out_dtype=tl.float32)
         else:
-            pv_in = pr.to(v.dtype)
-        if PV_F32:
-            pv = tl.dot(pv_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(pv_in, v, out_dtype=tl.float32)
+            v = tl.load(v_ptr + k_rows[:, None] * D + cols[None, :], mask=t_ok[:, None], other=0.0)
+            # P is rounded to the input dtype before P·V, as in every flash kernel (§3.4).
+            if FIX_BF16 and v.dtype == tl.bfloat16:
+                pv_in = round_to_bf16(pr).to(tl.bfloat16)
+            else:
+                pv_in = pr.to(v.dtype)
+            if PV_F32:
+                pv = tl.dot(pv_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(pv_in, v, out_dtype=tl.float32)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
+def _attend_keys(
+    acc, m_i, l_i, qa, qs, qt, p,
+    k_codes, k_scales, k_token, k_f8, k_ts, v_ptr, vt_ptr,
+    b, kvh, Lk, HKV, lo, hi, safe,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    FMT: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr,
+    PV_FP8: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+):
+    """One run of keys [lo, hi) in one format: the blocks below ``safe`` unmasked,
+    the rest masked."""
+    split = tl.minimum(tl.maximum(lo, safe), hi)
+    acc, m_i, l_i = _attend_run(acc, m_i, l_i, qa, qs, qt, p, k_codes, k_scales, k_token, k_f8, k_ts,
+                                v_ptr, vt_ptr, b, kvh, Lk, HKV, lo, split,
+                                D, BLOCK_N, CAUSAL, False, FMT, NV, NATIVE, PV_FP8, PV_F32, FIX_BF16)
+    return _attend_run(acc, m_i, l_i, qa, qs, qt, p, k_codes, k_scales, k_token, k_f8, k_ts,
+                       v_ptr, vt_ptr, b, kvh, Lk, HKV, split, hi,
+                       D, BLOCK_N, CAUSAL, True, FMT, NV, NATIVE, PV_FP8, PV_F32, FIX_BF16)
+
+
+@triton.jit
 def _dma_attention_kernel(
-    qh_codes, qh_scales, ql_codes, ql_scales, ql_token, qh_values, ql_values,
-    kh_codes, kh_scales, kl_codes, kl_scales, kl_token, kh_values, kl_values,
-    v_ptr,
-    Lq, Lk, HQ, HKV, q_offset, tile0, diag, sink,
+    qh_codes, qh_scales, ql_codes, ql_scales, ql_token, qh_f8, qh_ts, ql_f8, ql_ts,
+    kh_codes, kh_scales, kl_codes, kl_scales, kl_token, kh_f8, kh_ts, kl_f8, kl_ts,
+    v_ptr, vt_ptr, v_scale,
+    Lq, Lk, HQ, HKV, q_offset, block0, diag, sink,
     o_ptr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HI_FMT: tl.constexpr, LO_NV: tl.constexpr,
-    NATIVE_HI: tl.constexpr, NATIVE_LO: tl.constexpr, DOT_F32: tl.constexpr,
-    PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    HI_FMT: tl.constexpr, LO_NV: tl.constexpr, NATIVE_HI: tl.constexpr, NATIVE_LO: tl.constexpr,
+    HAS_LO: tl.constexpr, PV_FP8: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
-    """q codes [B, Lq, HQ, ·], k codes and v [B, Lk, HKV, ·], o [B, Lq, HQ, D]."""
-    m, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """q operands [B, Lq, HQ, ·], k operands and v [B, Lk, HKV, ·], o [B, Lq, HQ, D];
+    vt [B, HKV, D, Lk] and v_scale [B, HKV, D] for the FP8 P·V. HAS_LO=False when
+    every pair is high precision (the low copies were not written)."""
+    if CAUSAL:
+        # Later query blocks see more keys: start them first so the tail is short.
+        m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        m = tl.program_id(0)
+    h, b = tl.program_id(1), tl.program_id(2)
     kvh = h // (HQ // HKV)  # GQA/MQA: index the shared kv head, never copy it
-    tq = tile0 + m
-    p = tq * BLOCK_M + tl.arange(0, BLOCK_M)  # absolute query positions
+    p0 = (block0 + m) * BLOCK_M
+    p = p0 + tl.arange(0, BLOCK_M)  # absolute query positions
+    # BLOCK_M divides TILE: one classification tile per program. Integer division
+    # truncates in Triton; positions can be negative (q_offset < 0), so floor it.
+    tq = tl.where(p0 < 0, -((_TILE - 1 - p0) // _TILE), p0 // _TILE)
     r = p - q_offset
     row_ok = (r >= 0) & (r < Lq)
     q_rows = ((b * Lq + r) * HQ + h).to(tl.int64)
-    qh_a, qh_s = _load_operand(qh_codes, qh_scales, qh_values, q_rows, row_ok, D, HI_FMT, False, NATIVE_HI, DOT_F32)
-    ql_a, ql_s = _load_operand(ql_codes, ql_scales, ql_values, q_rows, row_ok, D, "e2m1", LO_NV, NATIVE_LO, DOT_F32)
-    if LO_NV:
-        s2q = tl.load(ql_token + q_rows, mask=row_ok, other=1.0)
-    else:
-        s2q = tl.full((BLOCK_M,), 1.0, tl.float32)
+    qh_a, qh_s, qh_t = _load_operand(qh_codes, qh_scales, ql_token, qh_f8, qh_ts, q_rows, row_ok, D,
+                                     HI_FMT, False, NATIVE_HI)
+    if HAS_LO:
+        ql_a, ql_s, ql_t = _load_operand(ql_codes, ql_scales, ql_token, ql_f8, ql_ts, q_rows, row_ok, D,
+                                         "e2m1", LO_NV, NATIVE_LO)
 
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    # Runs of key tiles: [0, b1) sink, high; [b1, b2) low; [b2, b3) diagonal band,
-    # high; [b3, n_tiles) low (non-causal only). Each bound is clamped into
-    # [previous bound, end], so empty runs cost nothing.
-    n_tiles = tl.cdiv(Lk, BLOCK_M)
+    # Keys are visited up to kend (a multiple of BLOCK_N). Runs of key tiles:
+    # [0, b1) sink, high; [b1, b2) low; [b2, b3) diagonal band, high; [b3, end)
+    # low (non-causal only). Bounds are clamped in tiles first (diag may be 2^30).
+    kend = tl.cdiv(Lk, BLOCK_N) * BLOCK_N
+    safe = (Lk // BLOCK_N) * BLOCK_N  # keys below need no mask
     if CAUSAL:
-        end = tl.maximum(tl.minimum(tq + 1, n_tiles), 0)
-    else:
-        end = n_tiles
+        kend = tl.maximum(tl.minimum(kend, tl.cdiv(p0 + BLOCK_M, BLOCK_N) * BLOCK_N), 0)
+        safe = tl.maximum(tl.minimum(safe, ((p0 + 1) // BLOCK_N) * BLOCK_N), 0)
+    end = tl.cdiv(kend, _TILE)
     b1 = tl.minimum(sink, end)
     b2 = tl.minimum(tl.maximum(b1, tq - diag + 1), end)
     if CAUSAL:
         b3 = end
     else:
         b3 = tl.minimum(tl.maximum(b2, tq + diag), end)
-    acc, m_i, l_i = _attend_run(acc, m_i, l_i, qh_a, qh_s, s2q, p, kh_codes, kh_scales, kl_token, kh_values, v_ptr,
-                                b, kvh, Lk, HKV, 0, b1, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                HI_FMT, False, NATIVE_HI, DOT_F32, PV_F32, FIX_BF16)
-    acc, m_i, l_i = _attend_run(acc, m_i, l_i, ql_a, ql_s, s2q, p, kl_codes, kl_scales, kl_token, kl_values, v_ptr,
-                                b, kvh, Lk, HKV, b1, b2, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                "e2m1", LO_NV, NATIVE_LO, DOT_F32, PV_F32, FIX_BF16)
-    acc, m_i, l_i = _attend_run(acc, m_i, l_i, qh_a, qh_s, s2q, p, kh_codes, kh_scales, kl_token, kh_values, v_ptr,
-                                b, kvh, Lk, HKV, b2, b3, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                HI_FMT, False, NATIVE_HI, DOT_F32, PV_F32, FIX_BF16)
-    if not CAUSAL:
-        acc, m_i, l_i = _attend_run(acc, m_i, l_i, ql_a, ql_s, s2q, p, kl_codes, kl_scales, kl_token, kl_values, v_ptr,
-                                    b, kvh, Lk, HKV, b3, end, D, BLOCK_M, BLOCK_N, CAUSAL,
-                                    "e2m1", LO_NV, NATIVE_LO, DOT_F32, PV_F32, FIX_BF16)
+    k1 = tl.minimum(b1 * _TILE, kend)
+    k2 = tl.minimum(b2 * _TILE, kend)
+    k3 = tl.minimum(b3 * _TILE, kend)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, qh_a, qh_s, qh_t, p, kh_codes, kh_scales, kl_token, kh_f8, kh_ts,
+                                 v_ptr, vt_ptr, b, kvh, Lk, HKV, 0, k1, safe, D, BLOCK_N, CAUSAL,
+                                 HI_FMT, False, NATIVE_HI, PV_FP8, PV_F32, FIX_BF16)
+    if HAS_LO:
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, ql_a, ql_s, ql_t, p, kl_codes, kl_scales, kl_token, kl_f8,
+                                     kl_ts, v_ptr, vt_ptr, b, kvh, Lk, HKV, k1, k2, safe, D, BLOCK_N, CAUSAL,
+                                     "e2m1", LO_NV, NATIVE_LO, PV_FP8, PV_F32, FIX_BF16)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, qh_a, qh_s, qh_t, p, kh_codes, kh_scales, kl_token, kh_f8, kh_ts,
+                                 v_ptr, vt_ptr, b, kvh, Lk, HKV, k2, k3, safe, D, BLOCK_N, CAUSAL,
+                                 HI_FMT, False, NATIVE_HI, PV_FP8, PV_F32, FIX_BF16)
+    if HAS_LO and not CAUSAL:
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, ql_a, ql_s, ql_t, p, kl_codes, kl_scales, kl_token, kl_f8,
+                                     kl_ts, v_ptr, vt_ptr, b, kvh, Lk, HKV, k3, kend, safe, D, BLOCK_N, CAUSAL,
+                                     "e2m1", LO_NV, NATIVE_LO, PV_FP8, PV_F32, FIX_BF16)
+    cols = tl.arange(0, D)
+    if PV_FP8:
+        acc = acc * tl.load(v_scale + (b * HKV + kvh) * D + cols)[None, :]
     # Rows without any valid key have l = 0 and output zeros.
     out = tl.where(l_i[:, None] > 0, acc / l_i[:, None], 0.0)
     out = tl.where((l_i != l_i)[:, None], float("nan"), out)  # keep NaN rows NaN
     if FIX_BF16 and o_ptr.dtype.element_ty == tl.bfloat16:
         out = round_to_bf16(out)
-    cols = tl.arange(0, D)
     tl.store(o_ptr + q_rows[:, None] * D + cols[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -198,27 +247,60 @@ def native_formats(capability: tuple[int, int] | None, low: str) -> tuple[bool, 
     ``tcgen05.mma ... kind::mxf4nvf4.block_scale.block16``, but Triton's
     interpreter treats every scale as E8M0, so that path has not been checked
     against the reference anywhere yet: until it runs on a B200, NVFP4 tiles
-    take the bf16 path unless ``native=True`` is asked for.
+    take the FP8 path unless ``native=True`` is asked for.
     """
     blackwell = capability is not None and capability[0] >= 10
     return blackwell, blackwell and low == "mxfp4"
 
 
-def query_tiles(q_len: int, q_offset: int) -> tuple[int, int]:
-    """(number of query tiles, first query tile): tiles cover absolute positions
-    ``[q_offset, q_offset + q_len)`` aligned to multiples of TILE."""
-    tile0 = q_offset // TILE  # floor, also for negative offsets
-    return -(-(q_offset + q_len) // TILE) - tile0, tile0
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int  # query rows per program; divides TILE
+    block_n: int  # keys per inner step; divides TILE
+    num_warps: int
+    num_stages: int
+
+
+# Launch settings per (head_dim, causal, FP8 P·V), chosen by
+# ``benchmarks/tune_attention.py`` on the H200 (NOTES.md has the sweep).
+DEFAULT_LAUNCH = LaunchConfig(128, 64, 8, 2)
+LAUNCH = {
+    (128, False, False): LaunchConfig(128, 64, 8, 2),
+    (128, True, False): LaunchConfig(128, 64, 8, 2),
+    (128, False, True): LaunchConfig(128, 64, 8, 2),
+    (128, True, True): LaunchConfig(128, 64, 8, 2),
+    (64, False, False): LaunchConfig(128, 64, 8, 2),
+    (64, True, False): LaunchConfig(128, 64, 8, 2),
+    (64, False, True): LaunchConfig(128, 64, 8, 2),
+    (64, True, True): LaunchConfig(128, 64, 8, 2),
+}
+
+
+def launch_config(head_dim: int, causal: bool, pv_fp8: bool) -> LaunchConfig:
+    return LAUNCH.get((head_dim, causal, pv_fp8), DEFAULT_LAUNCH)
+
+
+def all_high(q_len: int, kv_len: int, q_offset: int, diag: int) -> bool:
+    """True when the diagonal band covers every (query, key) tile pair."""
+    first, last = min(0, q_offset), max(kv_len - 1, q_offset + q_len - 1)
+    return diag > (last - first) // TILE + 1
+
+
+def query_blocks(q_len: int, q_offset: int, block_m: int) -> tuple[int, int]:
+    """(number of query blocks, first query block): blocks of ``block_m`` rows cover
+    absolute positions ``[q_offset, q_offset + q_len)``, aligned to multiples of block_m."""
+    block0 = q_offset // block_m  # floor, also for negative offsets
+    return -(-(q_offset + q_len) // block_m) - block0, block0
 
 
 def attention_meta(head_dim: int, *, causal: bool, high: str, low: str, native: tuple[bool, bool],
-                   v_dtype_is_f32: bool, interpret: bool) -> dict:
+                   has_lo: bool, pv_fp8: bool, v_dtype_is_f32: bool, interpret: bool,
+                   launch: LaunchConfig) -> dict:
     """Constexpr arguments of ``_dma_attention_kernel``; ``native``: (high, low) tiles."""
     return dict(
-        D=head_dim, BLOCK_M=TILE, BLOCK_N=BLOCK_N, CAUSAL=causal,
+        D=head_dim, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, CAUSAL=causal,
         HI_FMT="e5m2" if high == "mxfp8_e5m2" else "e4m3",
-        LO_NV=low == "nvfp4", NATIVE_HI=native[0], NATIVE_LO=native[1],
-        DOT_F32=interpret,
+        LO_NV=low == "nvfp4", NATIVE_HI=native[0], NATIVE_LO=native[1], HAS_LO=has_lo, PV_FP8=pv_fp8,
         PV_F32=v_dtype_is_f32 or interpret, FIX_BF16=interpret,
     )
 
@@ -232,30 +314,37 @@ def resolve_native(device: torch.device, low: str, native: bool | None) -> tuple
     return native_formats(torch.cuda.get_device_capability(device), low)
 
 
+def operands(x8) -> tuple:
+    """The nine kernel arguments of one quantized operand; unwritten ones get a
+    placeholder pointer (the kernel never reads them)."""
+    fields = (x8.hi_codes, x8.hi_scales, x8.lo_codes, x8.lo_scales, x8.lo_token_scale,
+              x8.hi_f8, x8.hi_ts, x8.lo_f8, x8.lo_ts)
+    spare = next(f for f in fields if f is not None)
+    return tuple(spare if f is None else f for f in fields)
+
+
 def mx_attention(
     q8, k8, v: torch.Tensor, *, q_len: int, causal: bool, q_offset: int, diag: int, sink: int,
-    high: str, low: str, native: tuple[bool, bool],
-    num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+    high: str, low: str, native: tuple[bool, bool], has_lo: bool = True, vt: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, launch: LaunchConfig | None = None,
 ) -> torch.Tensor:
-    """Launch the kernel on ``DualQuantized`` Q and K copies and V ``[B, Lk, HKV, D]``.
+    """Launch the kernel on ``DualQuantized`` Q and K and V ``[B, Lk, HKV, D]``.
 
-    Tiles not in ``native`` read the copies' bf16 values, which must have been written.
+    Tiles not in ``native`` read the FP8 copies, which must have been written;
+    ``has_lo=False`` (all pairs high) means the low copies were not.
+    ``vt`` / ``v_scale`` (from ``quantize.fp8_transpose``) select the FP8 P·V.
     """
     b, kv_len, hkv, d = v.shape
-    hq = q8.hi_codes.shape[2]
-    n_m, tile0 = query_tiles(q_len, q_offset)
+    hq = q8.hi_ts.shape[2] if q8.hi_ts is not None else q8.hi_codes.shape[2]
+    pv_fp8 = vt is not None
+    launch = launch or launch_config(d, causal, pv_fp8)
+    n_m, block0 = query_blocks(q_len, q_offset, launch.block_m)
     out = torch.empty((b, q_len, hq, d), dtype=v.dtype, device=v.device)
-
-    def parts(x8):
-        token = x8.lo_token_scale if x8.lo_token_scale is not None else x8.lo_scales
-        hi_values = x8.hi_values if x8.hi_values is not None else x8.hi_codes
-        lo_values = x8.lo_values if x8.lo_values is not None else x8.lo_codes
-        return x8.hi_codes, x8.hi_scales, x8.lo_codes, x8.lo_scales, token, hi_values, lo_values
-
     _dma_attention_kernel[(n_m, hq, b)](
-        *parts(q8), *parts(k8), v, q_len, kv_len, hq, hkv, q_offset, tile0, diag, sink, out,
-        **attention_meta(d, causal=causal, high=high, low=low, native=native,
-                         v_dtype_is_f32=v.dtype == torch.float32, interpret=interpreting()),
-        num_warps=num_warps, num_stages=num_stages,
+        *operands(q8), *operands(k8), v, vt if pv_fp8 else v, v_scale if pv_fp8 else v,
+        q_len, kv_len, hq, hkv, q_offset, block0, diag, sink, out,
+        **attention_meta(d, causal=causal, high=high, low=low, native=native, has_lo=has_lo, pv_fp8=pv_fp8,
+                         v_dtype_is_f32=v.dtype == torch.float32, interpret=interpreting(), launch=launch),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return out

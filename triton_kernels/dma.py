@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from .attention import mx_attention, resolve_native
-from .quantize import channel_mean, dual_quantize
+from .attention import all_high, mx_attention, resolve_native
+from .quantize import channel_mean, dual_quantize, fp8_transpose
 
 
 def softmax_fold(sm_scale: float) -> float:
@@ -23,16 +23,20 @@ def softmax_fold(sm_scale: float) -> float:
 def dma_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     causal: bool, q_offset: int, diag_tiles: int, sink_tiles: int,
-    high: str, low: str, smooth_k: bool, sm_scale: float, native: bool | None = None,
+    high: str, low: str, smooth_k: bool, sm_scale: float, pv: str = "input", native: bool | None = None,
 ) -> torch.Tensor:
     """DMA on contiguous ``q [B, Lq, HQ, D]``, ``k, v [B, Lk, HKV, D]`` (checked by the caller).
 
-    ``native``: force ``tl.dot_scaled`` on (True) or off (False); default by GPU.
+    ``pv``: "input" or "fp8" (``DMAConfig.pv``). ``native``: force ``tl.dot_scaled``
+    on (True) or off (False); default by GPU.
     """
     tiles = resolve_native(q.device, low, native)
-    values = not all(tiles)  # the bf16 copies feed the tiles that are not native
+    has_lo = not all_high(q.shape[1], k.shape[1], q_offset, diag_tiles)
+    copies = dict(high=high, low=low, codes=any(tiles), fp8=not all(tiles), write_lo=has_lo)
     mean = channel_mean(k) if smooth_k else None
-    q8 = dual_quantize(q, high=high, low=low, fold=softmax_fold(sm_scale), write_values=values)
-    k8 = dual_quantize(k, high=high, low=low, mean=mean, write_values=values)
+    q8 = dual_quantize(q, fold=softmax_fold(sm_scale), **copies)
+    k8 = dual_quantize(k, mean=mean, **copies)
+    vt, v_scale = fp8_transpose(v) if pv == "fp8" else (None, None)
     return mx_attention(q8, k8, v, q_len=q.shape[1], causal=causal, q_offset=q_offset,
-                        diag=diag_tiles, sink=sink_tiles, high=high, low=low, native=tiles)
+                        diag=diag_tiles, sink=sink_tiles, high=high, low=low, native=tiles,
+                        has_lo=has_lo, vt=vt, v_scale=v_scale)

@@ -54,14 +54,6 @@ def element_code(r, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.con
 
 
 @triton.jit
-def e8m0_value(s):
-    """float32 value 2^(s - 127) of E8M0 scale bytes; byte 255 is NaN."""
-    si = s.to(tl.uint32)
-    bits = tl.where(si == 0, 0x400000, tl.where(si == 255, 0x7FC00000, si << 23))
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def round_to_bf16(x):
     """float32 -> the nearest bf16 value (ties to even), still as float32.
 

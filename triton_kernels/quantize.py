@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mx import abs_max, e8m0_value, element_code, exponent, pow2, round_to_element
+from .mx import abs_max, element_code, exponent, pow2, round_to_element
 
 # Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
 # Kept in step with dma_jax.formats.FORMATS (a test checks it).
@@ -35,19 +35,43 @@ FORMATS = {
 
 
 @triton.jit
+def _fp8_copy(r, block_exp, sb, s2, finite, EMAX: tl.constexpr, NVFP4: tl.constexpr):
+    """The per-token E4M3 copy of one quantized [T, NB, BLOCK] tile (as float32) and
+    its float32 token scale, as ``dma_jax.formats.fp8_per_token`` defines them.
+
+    MX blocks shift their power-of-two block exponent into the elements, relative to
+    ``2^T`` with ``T = max_b X_b + EMAX - 8``: exact unless an element drops into
+    E4M3's subnormals. NVFP4 rounds ``e · sb / 8`` to E4M3 (within 2^-4) and keeps
+    ``8 · s2`` per token.
+    """
+    token_ok = tl.min(finite.to(tl.int32), axis=1) > 0
+    if NVFP4:
+        values = round_to_element(r * (sb * 0.125)[:, :, None], 3, -6, 448.0)
+        token = s2 * 8.0
+    else:
+        top = tl.max(tl.where(finite, block_exp, -127), axis=1)
+        t = tl.maximum(top + EMAX - 8, -126)
+        shift = tl.maximum(block_exp - t[:, None], -126)
+        values = round_to_element(r * pow2(shift)[:, :, None], 3, -6, 448.0)
+        token = pow2(t)
+    values = tl.where(finite[:, :, None], values, 0.0)
+    return values, tl.where(token_ok, token, float("nan"))
+
+
+@triton.jit
 def _quantize_tile(
     x, rows, cols, mask,
-    codes_ptr, scales_ptr, token_ptr, values_ptr,
+    codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr,
     EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
     MAX_VALUE: tl.constexpr, BLOCK: tl.constexpr, NVFP4: tl.constexpr,
-    BLOCK_T: tl.constexpr, D: tl.constexpr, WRITE_VALUES: tl.constexpr,
+    BLOCK_T: tl.constexpr, D: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_FP8: tl.constexpr,
 ):
     """Quantize a [BLOCK_T, D] float32 tile into one format and store it.
 
     rows: token indices into the flattened [tokens] outputs; cols: arange(D).
-    WRITE_VALUES also stores element x block scale in bf16 (exact: at most 6
-    significant bits), the tensor-core-ready copy the sm_90 kernel reads; NVFP4's
-    per-token scale stays out of it.
+    WRITE_CODES stores the codes and scale bytes (what ``tl.dot_scaled`` reads on
+    sm_100); WRITE_FP8 stores the per-token E4M3 copy and its scale (what the FP8
+    tensor cores of sm_90 read).
     """
     NB: tl.constexpr = D // BLOCK
     xb = tl.reshape(x, (BLOCK_T, NB, BLOCK))
@@ -55,7 +79,7 @@ def _quantize_tile(
     if NVFP4:
         # NVFP4 per-token scale: the token amax maps onto 6 (E2M1 max) x 448 (E4M3 max).
         s2 = tl.math.div_rn(abs_max(x, 1), tl.full((BLOCK_T,), 2688.0, tl.float32))
-        s2 = tl.where(s2 == 0, 1.0, s2)
+        s2 = tl.where(tl.abs(s2) < 1.1754943508222875e-38, 1.0, s2)  # subnormal: an all-zero token
         sb_f = tl.math.div_rn(amax, 6.0 * s2[:, None])
         finite = (sb_f == sb_f) & (tl.abs(sb_f) < float("inf"))
         sb = round_to_element(tl.where(finite, sb_f, 0.0), 3, -6, 448.0)
@@ -69,43 +93,51 @@ def _quantize_tile(
         v = tl.where(usable[:, :, None], v, zero)
         v = tl.where((v == v) & (tl.abs(v) < float("inf")), v, 0.0)
         scale_code = tl.where(finite, element_code(sb, 4, 3, -6), 0x7F)
-        scale_value = tl.where(finite, sb, float("nan"))
-        tl.store(token_ptr + rows, s2, mask=mask)
+        block_exp = scale_code  # unused for NVFP4
+        if WRITE_CODES:
+            tl.store(token_ptr + rows, s2, mask=mask)
     else:
         finite = (amax == amax) & (amax < float("inf"))
-        e = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
+        block_exp = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
         # Multiply by 2^-e: -e lies in [-125, 127], so the factor is a normal float.
-        v = tl.where(finite[:, :, None], xb * pow2(-e)[:, :, None], 0.0)
-        scale_code = tl.where(finite, e + 127, 255)
-        scale_value = e8m0_value(scale_code)
+        v = tl.where(finite[:, :, None], xb * pow2(-block_exp)[:, :, None], 0.0)
+        scale_code = tl.where(finite, block_exp + 127, 255)
+        sb = amax  # unused for MX
+        s2 = amax
     r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
-    if WRITE_VALUES:
-        values = tl.reshape(r * scale_value[:, :, None], (BLOCK_T, D))
-        tl.store(values_ptr + rows[:, None] * D + cols[None, :], values.to(tl.bfloat16), mask=mask[:, None])
-    codes = tl.reshape(element_code(r, EXP_BITS, MAN_BITS, EMIN), (BLOCK_T, D))
-    sblk = tl.arange(0, NB)
-    tl.store(scales_ptr + rows[:, None] * NB + sblk[None, :], scale_code.to(tl.uint8), mask=mask[:, None])
-    if EXP_BITS + MAN_BITS == 3:
-        # Two E2M1 codes per byte along head_dim, element 2t in the low nibble.
-        lo, hi = tl.split(tl.reshape(codes, (BLOCK_T, D // 2, 2)))
-        packed = (lo | (hi << 4)).to(tl.uint8)
-        half = tl.arange(0, D // 2)
-        tl.store(codes_ptr + rows[:, None] * (D // 2) + half[None, :], packed, mask=mask[:, None])
-    else:
-        tl.store(codes_ptr + rows[:, None] * D + cols[None, :], codes.to(tl.uint8), mask=mask[:, None])
+    if WRITE_FP8:
+        values, token = _fp8_copy(r, block_exp, sb, s2, finite, EMAX, NVFP4)
+        f8 = tl.reshape(element_code(values, 4, 3, -6), (BLOCK_T, D))
+        tl.store(f8_ptr + rows[:, None] * D + cols[None, :], f8.to(tl.uint8), mask=mask[:, None])
+        tl.store(ts_ptr + rows, token, mask=mask)
+    if WRITE_CODES:
+        codes = tl.reshape(element_code(r, EXP_BITS, MAN_BITS, EMIN), (BLOCK_T, D))
+        sblk = tl.arange(0, NB)
+        tl.store(scales_ptr + rows[:, None] * NB + sblk[None, :], scale_code.to(tl.uint8), mask=mask[:, None])
+        if EXP_BITS + MAN_BITS == 3:
+            # Two E2M1 codes per byte along head_dim, element 2t in the low nibble.
+            lo, hi = tl.split(tl.reshape(codes, (BLOCK_T, D // 2, 2)))
+            packed = (lo | (hi << 4)).to(tl.uint8)
+            half = tl.arange(0, D // 2)
+            tl.store(codes_ptr + rows[:, None] * (D // 2) + half[None, :], packed, mask=mask[:, None])
+        else:
+            tl.store(codes_ptr + rows[:, None] * D + cols[None, :], codes.to(tl.uint8), mask=mask[:, None])
 
 
 @triton.jit
 def _dual_quantize_kernel(
     x_ptr, mean_ptr, fold, L, H,
-    hi_codes, hi_scales, lo_codes, lo_scales, lo_token, hi_values, lo_values,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr, WRITE_VALUES: tl.constexpr,
+    hi_codes, hi_scales, lo_codes, lo_scales, lo_token, hi_f8, hi_ts, lo_f8, lo_ts,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr,
+    WRITE_CODES: tl.constexpr, WRITE_FP8: tl.constexpr, WRITE_LO: tl.constexpr,
     HI_E: tl.constexpr, HI_M: tl.constexpr, HI_EMIN: tl.constexpr, HI_EMAX: tl.constexpr,
     HI_MAX: tl.constexpr, HI_BLOCK: tl.constexpr,
     LO_E: tl.constexpr, LO_M: tl.constexpr, LO_EMIN: tl.constexpr, LO_EMAX: tl.constexpr,
     LO_MAX: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NVFP4: tl.constexpr,
 ):
-    """One program per (BLOCK_T tokens, head, batch) of x [B, L, H, D] (contiguous)."""
+    """One program per (BLOCK_T tokens, head, batch) of x [B, L, H, D] (contiguous).
+
+    WRITE_LO=False skips the low copy (every pair is high precision)."""
     pid_t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, D)
@@ -119,18 +151,21 @@ def _dual_quantize_kernel(
     # float32 subnormals count as signed zeros (as in dma_jax.formats).
     sign = (x.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
     x = tl.where(tl.abs(x) < 1.1754943508222875e-38, sign, x)
-    _quantize_tile(x, rows, cols, mask, hi_codes, hi_scales, lo_token, hi_values,
-                   HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D, WRITE_VALUES)
-    _quantize_tile(x, rows, cols, mask, lo_codes, lo_scales, lo_token, lo_values,
-                   LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, BLOCK_T, D, WRITE_VALUES)
+    _quantize_tile(x, rows, cols, mask, hi_codes, hi_scales, lo_token, hi_f8, hi_ts,
+                   HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D, WRITE_CODES, WRITE_FP8)
+    if WRITE_LO:
+        _quantize_tile(x, rows, cols, mask, lo_codes, lo_scales, lo_token, lo_f8, lo_ts,
+                       LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, BLOCK_T, D, WRITE_CODES, WRITE_FP8)
 
 
 @triton.jit
-def _channel_sum_kernel(x_ptr, L, H, CHUNK, part_ptr, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Partial sums over one CHUNK of tokens of x [B, L, H, D], per (head, batch).
+def _channel_reduce_kernel(x_ptr, L, H, CHUNK, part_ptr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                           AMAX: tl.constexpr):
+    """Partial sums (or abs-maxima, NaN-propagating) over one CHUNK of tokens of
+    x [B, L, H, D], per (head, batch).
 
     A grid over chunks keeps every SM busy; partials land in [chunks, B, H, D]
-    and are added in a fixed order afterwards, so the mean is deterministic.
+    and are combined in a fixed order afterwards, so the result is deterministic.
     """
     c, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = tl.arange(0, D)
@@ -139,7 +174,11 @@ def _channel_sum_kernel(x_ptr, L, H, CHUNK, part_ptr, D: tl.constexpr, BLOCK_T: 
     for start in range(c * CHUNK, end, BLOCK_T):
         t = start + tl.arange(0, BLOCK_T)
         ptrs = x_ptr + ((b * L + t) * H + h)[:, None] * D + cols[None, :]
-        acc += tl.sum(tl.load(ptrs, mask=(t < end)[:, None], other=0.0).to(tl.float32), axis=0)
+        x = tl.load(ptrs, mask=(t < end)[:, None], other=0.0).to(tl.float32)
+        if AMAX:
+            acc = tl.maximum(acc, abs_max(x, 0), propagate_nan=tl.PropagateNan.ALL)
+        else:
+            acc += tl.sum(x, axis=0)
     tl.store(part_ptr + ((c * tl.num_programs(2) + b) * H + h) * D + cols, acc)
 
 
@@ -155,17 +194,55 @@ def _channel_mean_kernel(part_ptr, L, H, N_CHUNKS, mean_ptr, D: tl.constexpr):
     tl.store(mean_ptr + (b * H + h) * D + cols, mean)
 
 
+@triton.jit
+def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
+                          D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """V for the FP8 P·V: E4M3 with a power-of-two scale per channel, stored
+    transposed as [B, H, D, L] so that it is the K-major operand of P·V.
+
+    The channel amax comes from ``_channel_reduce_kernel`` partials (AMAX=True);
+    numerics as ``dma_jax.formats.fp8_per_channel``. One program per
+    (BLOCK_T tokens, head, batch); the first one also writes the scales [B, H, D].
+    """
+    pid_t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    cols = tl.arange(0, D)
+    amax = tl.zeros((D,), tl.float32)
+    for c in range(0, N_CHUNKS):
+        part = tl.load(part_ptr + ((c * tl.num_programs(2) + b) * H + h) * D + cols)
+        amax = tl.maximum(amax, part, propagate_nan=tl.PropagateNan.ALL)
+    finite = amax < float("inf")  # False for Inf and NaN
+    t_exp = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - 7, -126), 127)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask = t < L
+    x = tl.load(x_ptr + ((b * L + t) * H + h)[:, None] * D + cols[None, :], mask=mask[:, None], other=0.0)
+    x = x.to(tl.float32)
+    sign = (x.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
+    x = tl.where(tl.abs(x) < 1.1754943508222875e-38, sign, x)
+    values = round_to_element(x * pow2(-t_exp)[None, :], 3, -6, 448.0)
+    values = tl.where(finite[None, :], values, 0.0)
+    codes = tl.trans(element_code(values, 4, 3, -6).to(tl.uint8))  # [D, BLOCK_T]
+    tl.store(xt_ptr + ((b * H + h) * D + cols)[:, None] * L + t[None, :], codes, mask=mask[None, :])
+    scale = tl.where(finite, pow2(t_exp), float("nan"))
+    tl.store(scale_ptr + (b * H + h) * D + cols, scale, mask=(cols + pid_t * D) < D)  # first program only
+
+
 @dataclasses.dataclass
 class DualQuantized:
-    """Both copies of one tensor ``[B, L, H, D]`` (uint8 unless noted)."""
+    """Both copies of one tensor ``[B, L, H, D]``; a field is None when not written.
 
-    hi_codes: torch.Tensor  # [B, L, H, D]
-    hi_scales: torch.Tensor  # [B, L, H, D // 32], E8M0
-    lo_codes: torch.Tensor  # [B, L, H, D // 2], packed E2M1
-    lo_scales: torch.Tensor  # [B, L, H, D // block], E4M3 (nvfp4) or E8M0 (mxfp4)
+    codes/scales (uint8) feed ``tl.dot_scaled``; ``*_f8`` (E4M3 bytes) and ``*_ts``
+    (float32 per token) are the FP8 copies the sm_90 kernel reads.
+    """
+
+    hi_codes: torch.Tensor | None  # [B, L, H, D]
+    hi_scales: torch.Tensor | None  # [B, L, H, D // 32], E8M0
+    lo_codes: torch.Tensor | None  # [B, L, H, D // 2], packed E2M1
+    lo_scales: torch.Tensor | None  # [B, L, H, D // block], E4M3 (nvfp4) or E8M0 (mxfp4)
     lo_token_scale: torch.Tensor | None  # float32 [B, L, H] for nvfp4
-    hi_values: torch.Tensor | None = None  # bf16 [B, L, H, D]: codes x block scales
-    lo_values: torch.Tensor | None = None  # bf16 [B, L, H, D] (NVFP4: without s2)
+    hi_f8: torch.Tensor | None = None  # [B, L, H, D], E4M3 bytes
+    hi_ts: torch.Tensor | None = None  # float32 [B, L, H]
+    lo_f8: torch.Tensor | None = None
+    lo_ts: torch.Tensor | None = None
 
 
 # Launch settings (measured on the H200, see NOTES.md). Kernel parameters are
@@ -175,43 +252,59 @@ QUANTIZE_BLOCK_T = 16
 QUANTIZE_WARPS = 4
 MEAN_CHUNK = 256
 MEAN_BLOCK_T = 64
+TRANSPOSE_BLOCK_T = 64
 
 
 def mean_launches(shape: tuple[int, ...], chunk: int = MEAN_CHUNK):
-    """(grid, partial-sum shape) of the two smooth-K mean launches for x ``[B, L, H, D]``."""
+    """(grid, partial shape) of the channel reductions of x ``[B, L, H, D]``: partials,
+    then the combination (grid of the mean; the FP8 transpose uses ``transpose_grid``)."""
     b, l, h, d = shape
     n_chunks = triton.cdiv(l, chunk)
     return (n_chunks, h, b), (h, b), (n_chunks, b, h, d), n_chunks
 
 
-def quantize_meta(head_dim: int, high: str, low: str, smooth: bool, write_values: bool,
-                  block_t: int = QUANTIZE_BLOCK_T) -> dict:
+def transpose_grid(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    b, l, h, _ = shape
+    return (triton.cdiv(l, TRANSPOSE_BLOCK_T), h, b)
+
+
+def quantize_meta(head_dim: int, high: str, low: str, smooth: bool, *, codes: bool, fp8: bool,
+                  write_lo: bool = True, block_t: int = QUANTIZE_BLOCK_T) -> dict:
     """Constexpr arguments of ``_dual_quantize_kernel``."""
     hi, lo = FORMATS[high], FORMATS[low]
     return dict(
-        D=head_dim, BLOCK_T=block_t, SMOOTH=smooth, WRITE_VALUES=write_values,
+        D=head_dim, BLOCK_T=block_t, SMOOTH=smooth, WRITE_CODES=codes, WRITE_FP8=fp8, WRITE_LO=write_lo,
         HI_E=hi[0], HI_M=hi[1], HI_EMIN=hi[2], HI_EMAX=hi[3], HI_MAX=hi[4], HI_BLOCK=hi[5],
         LO_E=lo[0], LO_M=lo[1], LO_EMIN=lo[2], LO_EMAX=lo[3], LO_MAX=lo[4], LO_BLOCK=lo[5],
         LO_NVFP4=low == "nvfp4",
     )
 
 
-def quantize_outputs(shape: tuple[int, ...], high: str, low: str,
-                     write_values: bool) -> list[tuple[tuple[int, ...], str]]:
-    """(shape, dtype name) of the seven outputs: hi codes, hi scales, lo codes,
-    lo scales, lo per-token scale (written for nvfp4 only), hi and lo bf16 values
-    (one-element placeholders unless written)."""
+def written_outputs(low: str, *, codes: bool, fp8: bool, write_lo: bool = True) -> list[bool]:
+    """Which of the nine outputs of ``_dual_quantize_kernel`` a launch writes."""
+    lo_codes, lo_fp8 = codes and write_lo, fp8 and write_lo
+    return [codes, codes, lo_codes, lo_codes, lo_codes and low == "nvfp4", fp8, fp8, lo_fp8, lo_fp8]
+
+
+def quantize_outputs(shape: tuple[int, ...], high: str, low: str, *, codes: bool, fp8: bool,
+                     write_lo: bool = True) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype name) of the nine outputs: hi codes, hi scales, lo codes, lo
+    scales, lo per-token scale (nvfp4), hi E4M3 copy, hi token scale, lo E4M3 copy,
+    lo token scale. Outputs that are not written are one-element placeholders."""
     b, l, h, d = shape
-    values = (b, l, h, d) if write_values else (1,)
-    return [
+    full = [
         ((b, l, h, d), "uint8"),
         ((b, l, h, d // FORMATS[high][5]), "uint8"),
         ((b, l, h, d // 2), "uint8"),
         ((b, l, h, d // FORMATS[low][5]), "uint8"),
         ((b, l, h), "float32"),
-        (values, "bfloat16"),
-        (values, "bfloat16"),
+        ((b, l, h, d), "uint8"),
+        ((b, l, h), "float32"),
+        ((b, l, h, d), "uint8"),
+        ((b, l, h), "float32"),
     ]
+    flags = written_outputs(low, codes=codes, fp8=fp8, write_lo=write_lo)
+    return [(s, t) if w else ((1,), t) for (s, t), w in zip(full, flags)]
 
 
 def quantize_grid(shape: tuple[int, ...], block_t: int = QUANTIZE_BLOCK_T) -> tuple[int, int, int]:
@@ -219,15 +312,35 @@ def quantize_grid(shape: tuple[int, ...], block_t: int = QUANTIZE_BLOCK_T) -> tu
     return (triton.cdiv(l, block_t), h, b)
 
 
+def _channel_partials(x: torch.Tensor, amax: bool, chunk: int = MEAN_CHUNK):
+    b, l, h, d = x.shape
+    grid, _, part_shape, n_chunks = mean_launches(x.shape, chunk)
+    parts = torch.empty(part_shape, dtype=torch.float32, device=x.device)
+    _channel_reduce_kernel[grid](x, l, h, chunk, parts, D=d, BLOCK_T=MEAN_BLOCK_T, AMAX=amax)
+    return parts, n_chunks
+
+
 def channel_mean(x: torch.Tensor, chunk: int = MEAN_CHUNK) -> torch.Tensor:
     """Float32 mean of ``x [B, L, H, D]`` over L, shape ``[B, H, D]`` (deterministic)."""
     b, l, h, d = x.shape
-    grid_sum, grid_mean, part_shape, n_chunks = mean_launches(x.shape, chunk)
-    parts = torch.empty(part_shape, dtype=torch.float32, device=x.device)
-    _channel_sum_kernel[grid_sum](x, l, h, chunk, parts, D=d, BLOCK_T=MEAN_BLOCK_T)
+    parts, n_chunks = _channel_partials(x, False, chunk)
     mean = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
-    _channel_mean_kernel[grid_mean](parts, l, h, n_chunks, mean, D=d)
+    _channel_mean_kernel[(h, b)](parts, l, h, n_chunks, mean, D=d)
     return mean
+
+
+def fp8_transpose(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 bytes of ``x [B, L, H, D]`` transposed to ``[B, H, D, L]`` and the float32
+    per-channel scales ``[B, H, D]`` (two launches)."""
+    if not x.is_contiguous():
+        raise ValueError("fp8_transpose needs a contiguous [B, L, H, D] tensor")
+    b, l, h, d = x.shape
+    parts, n_chunks = _channel_partials(x, True)
+    xt = torch.empty((b, h, d, l), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
+    _fp8_transpose_kernel[transpose_grid(x.shape)](x, parts, l, h, n_chunks, xt, scale,
+                                                   D=d, BLOCK_T=TRANSPOSE_BLOCK_T)
+    return xt, scale
 
 
 def dual_quantize(
@@ -237,7 +350,9 @@ def dual_quantize(
     low: str = "nvfp4",
     fold: float = 1.0,
     mean: torch.Tensor | None = None,
-    write_values: bool = False,
+    codes: bool = True,
+    fp8: bool = False,
+    write_lo: bool = True,
     block_t: int = QUANTIZE_BLOCK_T,
     num_warps: int = QUANTIZE_WARPS,
 ) -> DualQuantized:
@@ -245,18 +360,18 @@ def dual_quantize(
 
     x: bf16/fp16/fp32 ``[B, L, H, D]``, contiguous. ``mean``: float32 ``[B, H, D]``
     (smooth-K) or None. ``fold`` is rounded to float32 (the folded softmax scale for Q).
-    ``write_values`` also writes the bf16 ``hi_values`` / ``lo_values``.
+    ``codes`` writes codes and scales, ``fp8`` the per-token E4M3 copies;
+    ``write_lo=False`` skips the low copy.
     """
     if not x.is_contiguous():
         raise ValueError("dual_quantize needs a contiguous [B, L, H, D] tensor")
     b, l, h, d = x.shape
-    outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=x.device)
-            for shape, dtype in quantize_outputs(x.shape, high, low, write_values)]
+    spec = quantize_outputs(x.shape, high, low, codes=codes, fp8=fp8, write_lo=write_lo)
+    outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=x.device) for shape, dtype in spec]
     _dual_quantize_kernel[quantize_grid(x.shape, block_t)](
-        x, mean if mean is not None else x, float(torch.tensor(fold, dtype=torch.float32)), l, h,
-        *outs, **quantize_meta(d, high, low, mean is not None, write_values, block_t), num_warps=num_warps,
+        x, mean if mean is not None else x, float(torch.tensor(fold, dtype=torch.float32)), l, h, *outs,
+        **quantize_meta(d, high, low, mean is not None, codes=codes, fp8=fp8, write_lo=write_lo, block_t=block_t),
+        num_warps=num_warps,
     )
-    return DualQuantized(
-        *outs[:4], lo_token_scale=outs[4] if low == "nvfp4" else None,
-        hi_values=outs[5] if write_values else None, lo_values=outs[6] if write_values else None,
-    )
+    flags = written_outputs(low, codes=codes, fp8=fp8, write_lo=write_lo)
+    return DualQuantized(*[o if w else None for o, w in zip(outs, flags)])
