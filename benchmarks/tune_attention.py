@@ -26,9 +26,8 @@ from triton_kernels.dma import softmax_fold
 from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
 
 CANDIDATES = [
-    LaunchConfig(128, 64, 8, 2), LaunchConfig(128, 64, 8, 3), LaunchConfig(128, 128, 8, 2),
-    LaunchConfig(128, 128, 8, 3), LaunchConfig(64, 64, 4, 3), LaunchConfig(64, 128, 4, 2),
-    LaunchConfig(64, 128, 4, 3), LaunchConfig(128, 64, 4, 3),
+    LaunchConfig(64, 128, 4, 2), LaunchConfig(64, 128, 4, 3), LaunchConfig(64, 64, 4, 3),
+    LaunchConfig(128, 128, 8, 2), LaunchConfig(128, 64, 8, 3),
 ]
 
 

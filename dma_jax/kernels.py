@@ -59,6 +59,7 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
     batch, q_len, q_heads, dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     high, low = config.high, config.low
+    attn.check_extent(kv_len, kv_heads, dim)
 
     def channel_partials(x, amax):
         grid, _, part_shape, _ = quant.mean_launches(x.shape)
@@ -95,7 +96,8 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
         _, _, _, n_chunks = quant.mean_launches(v.shape)
         vt, v_scale = jt.triton_call(
             v, channel_partials(v, True), kv_len, kv_heads, n_chunks, kernel=quant._fp8_transpose_kernel,
-            out_shape=[_sds((batch, kv_heads, dim, kv_len), np.uint8), _sds((batch, kv_heads, dim), np.float32)],
+            out_shape=[_sds((batch, kv_heads, dim, quant.padded_length(kv_len)), np.uint8),
+                       _sds((batch, kv_heads, dim), np.float32)],
             grid=quant.transpose_grid(v.shape), D=dim, BLOCK_T=quant.TRANSPOSE_BLOCK_T,
         )
     launch = attn.launch_config(dim, causal, pv_fp8)

@@ -117,7 +117,8 @@ def test_fp8_transpose_equals_fp8_per_channel(length):
     x[1, 0, 2, 5] = np.nan
     xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
     vt, scale = fp8_transpose(xt)
-    assert vt.shape == (2, 3, 64, length) and scale.shape == (2, 3, 64)
+    assert vt.shape == (2, 3, 64, -(-length // 16) * 16) and scale.shape == (2, 3, 64)
+    vt = vt[..., :length]
     with jax.default_device(jax.devices("cpu")[0]):
         values, want_scale = fp8_per_channel(jnp.asarray(xt.float().cpu().numpy()), axis=1)
     want = np.asarray(values).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).transpose(0, 2, 3, 1)

@@ -70,27 +70,45 @@ def _load_operand(codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr, rows, mask, 
 def _attend_run(
     acc, m_i, l_i, qa, qs, qt, p,
     k_codes, k_scales, k_token, k_f8, k_ts, v_ptr, vt_ptr,
-    b, kvh, Lk, HKV, lo, hi,
+    kv_base, vt_base, Lk, HKV, lo, hi,
     D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
     FMT: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr,
     PV_FP8: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi) (multiples of BLOCK_N), all in format FMT.
 
-    MASK=False is for blocks that are entirely valid (inside kv_len and, when
-    causal, at or before every query row): no mask arithmetic on the hot path.
+    ``kv_base`` (int64) is the token-grid index of (batch, key 0, kv head) and
+    ``vt_base`` the element offset of V^T[batch, kv head]. Pointer tiles are built
+    once and advanced by BLOCK_N keys per step, so the loop does no 64-bit index
+    arithmetic. MASK=False is for blocks that are entirely valid (inside kv_len
+    and, when causal, at or before every query row): no masks on the hot path.
     """
     cols = tl.arange(0, D)
+    offs = tl.arange(0, BLOCK_N)
+    rows = (lo + offs) * HKV  # int32: the launcher checks Lk * HKV * D < 2^31
+    k_ptrs = k_f8 + kv_base * D + rows[:, None] * D + cols[None, :]
+    kt_ptrs = k_ts + kv_base + rows
+    v_ptrs = v_ptr + kv_base * D + rows[:, None] * D + cols[None, :]
+    # V^T rows are padded to a multiple of 16 bytes; saying so lets loads vectorize
+    # also where Lk is not specialised (jax-triton passes it as a plain int).
+    vt_stride = tl.cdiv(Lk, 16) * 16
+    vt_ptrs = vt_ptr + vt_base + cols[:, None] * vt_stride + (lo + offs)[None, :]
     for n0 in range(lo, hi, BLOCK_N):
-        t = n0 + tl.arange(0, BLOCK_N)
+        t = n0 + offs
         t_ok = t < Lk  # keys past kv_len (tile padding) never contribute
-        k_rows = ((b * Lk + t) * HKV + kvh).to(tl.int64)
-        ka, ks, kt = _load_operand(k_codes, k_scales, k_token, k_f8, k_ts, k_rows, t_ok, D, FMT, NV, NATIVE)
         if NATIVE:
+            k_rows = kv_base + (t * HKV).to(tl.int64)
+            ka, ks, kt = _load_operand(k_codes, k_scales, k_token, k_f8, k_ts, k_rows, t_ok, D, FMT, NV, NATIVE)
             s = tl.dot_scaled(qa, qs, FMT, tl.trans(ka), ks, FMT)
         else:
+            if MASK:
+                ka = tl.load(k_ptrs, mask=t_ok[:, None], other=0)
+                kt = tl.load(kt_ptrs, mask=t_ok, other=1.0)
+            else:
+                ka = tl.load(k_ptrs)
+                kt = tl.load(kt_ptrs)
             # FP8 x FP8 with both operands K-major (D contiguous); fp32 result.
-            s = tl.dot(qa, tl.trans(ka), out_dtype=tl.float32)
+            s = tl.dot(qa, tl.trans(ka.to(tl.float8e4nv, bitcast=True)), out_dtype=tl.float32)
         if NV or not NATIVE:
             s = (s * qt[:, None]) * kt[None, :]
         if MASK:
@@ -99,15 +117,18 @@ def _attend_run(
                 valid = valid & (t[None, :] <= p[:, None])
             s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row that has seen no valid key yet keeps m = -inf: use 0 so P = 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
+        if MASK:
+            # A row that has seen no valid key yet keeps m = -inf: use 0 so P = 0, not NaN.
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new  # every row has a valid key in this block
+        alpha = tl.exp2(m_i - m_new_safe)
         if PV_FP8:
             # P times 2^8 (at most 256): small probabilities stay out of E4M3's
             # subnormals; l carries the same factor, so it cancels in acc / l.
-            pr = tl.exp2(s - (m_safe - 8.0)[:, None])
+            pr = tl.exp2(s - (m_new_safe - 8.0)[:, None])
         else:
-            pr = tl.exp2(s - m_safe[:, None])
+            pr = tl.exp2(s - m_new_safe[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
         if PV_FP8:
             if FIX_BF16:
@@ -115,11 +136,16 @@ def _attend_run(
             # V^T [D, BLOCK_N] bytes: the K-major B operand of an FP8 P·V. Each
             # block's product starts from zero (Hopper's FP8 accumulator keeps
             # ~22 bits) and is added to acc in fp32.
-            vt = tl.load(vt_ptr + (((b * HKV + kvh) * D + cols).to(tl.int64) * Lk)[:, None] + t[None, :],
-                         mask=t_ok[None, :], other=0)
+            if MASK:
+                vt = tl.load(vt_ptrs, mask=t_ok[None, :], other=0)
+            else:
+                vt = tl.load(vt_ptrs)
             pv = tl.dot(pr.to(tl.float8e4nv), tl.trans(vt.to(tl.float8e4nv, bitcast=True)), out_dtype=tl.float32)
         else:
-            v = tl.load(v_ptr + k_rows[:, None] * D + cols[None, :], mask=t_ok[:, None], other=0.0)
+            if MASK:
+                v = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
             # P is rounded to the input dtype before P·V, as in every flash kernel (§3.4).
             if FIX_BF16 and v.dtype == tl.bfloat16:
                 pv_in = round_to_bf16(pr).to(tl.bfloat16)
@@ -131,6 +157,10 @@ def _attend_run(
                 pv = tl.dot(pv_in, v, out_dtype=tl.float32)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
+        k_ptrs += BLOCK_N * HKV * D
+        kt_ptrs += BLOCK_N * HKV
+        v_ptrs += BLOCK_N * HKV * D
+        vt_ptrs += BLOCK_N
     return acc, m_i, l_i
 
 
@@ -138,7 +168,7 @@ def _attend_run(
 def _attend_keys(
     acc, m_i, l_i, qa, qs, qt, p,
     k_codes, k_scales, k_token, k_f8, k_ts, v_ptr, vt_ptr,
-    b, kvh, Lk, HKV, lo, hi, safe,
+    kv_base, vt_base, Lk, HKV, lo, hi, safe,
     D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     FMT: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr,
     PV_FP8: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
@@ -147,10 +177,10 @@ def _attend_keys(
     the rest masked."""
     split = tl.minimum(tl.maximum(lo, safe), hi)
     acc, m_i, l_i = _attend_run(acc, m_i, l_i, qa, qs, qt, p, k_codes, k_scales, k_token, k_f8, k_ts,
-                                v_ptr, vt_ptr, b, kvh, Lk, HKV, lo, split,
+                                v_ptr, vt_ptr, kv_base, vt_base, Lk, HKV, lo, split,
                                 D, BLOCK_N, CAUSAL, False, FMT, NV, NATIVE, PV_FP8, PV_F32, FIX_BF16)
     return _attend_run(acc, m_i, l_i, qa, qs, qt, p, k_codes, k_scales, k_token, k_f8, k_ts,
-                       v_ptr, vt_ptr, b, kvh, Lk, HKV, split, hi,
+                       v_ptr, vt_ptr, kv_base, vt_base, Lk, HKV, split, hi,
                        D, BLOCK_N, CAUSAL, True, FMT, NV, NATIVE, PV_FP8, PV_F32, FIX_BF16)
 
 
@@ -166,7 +196,7 @@ def _dma_attention_kernel(
     HAS_LO: tl.constexpr, PV_FP8: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """q operands [B, Lq, HQ, ·], k operands and v [B, Lk, HKV, ·], o [B, Lq, HQ, D];
-    vt [B, HKV, D, Lk] and v_scale [B, HKV, D] for the FP8 P·V. HAS_LO=False when
+    vt [B, HKV, D, Lk rounded up to 16] and v_scale [B, HKV, D] for the FP8 P·V. HAS_LO=False when
     every pair is high precision (the low copies were not written)."""
     if CAUSAL:
         # Later query blocks see more keys: start them first so the tail is short.
@@ -189,6 +219,8 @@ def _dma_attention_kernel(
         ql_a, ql_s, ql_t = _load_operand(ql_codes, ql_scales, ql_token, ql_f8, ql_ts, q_rows, row_ok, D,
                                          "e2m1", LO_NV, NATIVE_LO)
 
+    kv_base = (b.to(tl.int64) * Lk) * HKV + kvh
+    vt_base = ((b * HKV + kvh).to(tl.int64) * D) * (tl.cdiv(Lk, 16) * 16)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -211,18 +243,18 @@ def _dma_attention_kernel(
     k2 = tl.minimum(b2 * _TILE, kend)
     k3 = tl.minimum(b3 * _TILE, kend)
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, qh_a, qh_s, qh_t, p, kh_codes, kh_scales, kl_token, kh_f8, kh_ts,
-                                 v_ptr, vt_ptr, b, kvh, Lk, HKV, 0, k1, safe, D, BLOCK_N, CAUSAL,
+                                 v_ptr, vt_ptr, kv_base, vt_base, Lk, HKV, 0, k1, safe, D, BLOCK_N, CAUSAL,
                                  HI_FMT, False, NATIVE_HI, PV_FP8, PV_F32, FIX_BF16)
     if HAS_LO:
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, ql_a, ql_s, ql_t, p, kl_codes, kl_scales, kl_token, kl_f8,
-                                     kl_ts, v_ptr, vt_ptr, b, kvh, Lk, HKV, k1, k2, safe, D, BLOCK_N, CAUSAL,
+                                     kl_ts, v_ptr, vt_ptr, kv_base, vt_base, Lk, HKV, k1, k2, safe, D, BLOCK_N, CAUSAL,
                                      "e2m1", LO_NV, NATIVE_LO, PV_FP8, PV_F32, FIX_BF16)
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, qh_a, qh_s, qh_t, p, kh_codes, kh_scales, kl_token, kh_f8, kh_ts,
-                                 v_ptr, vt_ptr, b, kvh, Lk, HKV, k2, k3, safe, D, BLOCK_N, CAUSAL,
+                                 v_ptr, vt_ptr, kv_base, vt_base, Lk, HKV, k2, k3, safe, D, BLOCK_N, CAUSAL,
                                  HI_FMT, False, NATIVE_HI, PV_FP8, PV_F32, FIX_BF16)
     if HAS_LO and not CAUSAL:
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, ql_a, ql_s, ql_t, p, kl_codes, kl_scales, kl_token, kl_f8,
-                                     kl_ts, v_ptr, vt_ptr, b, kvh, Lk, HKV, k3, kend, safe, D, BLOCK_N, CAUSAL,
+                                     kl_ts, v_ptr, vt_ptr, kv_base, vt_base, Lk, HKV, k3, kend, safe, D, BLOCK_N, CAUSAL,
                                      "e2m1", LO_NV, NATIVE_LO, PV_FP8, PV_F32, FIX_BF16)
     cols = tl.arange(0, D)
     if PV_FP8:
@@ -261,18 +293,15 @@ class LaunchConfig:
     num_stages: int
 
 
-# Launch settings per (head_dim, causal, FP8 P·V), chosen by
-# ``benchmarks/tune_attention.py`` on the H200 (NOTES.md has the sweep).
-DEFAULT_LAUNCH = LaunchConfig(128, 64, 8, 2)
+# Launch settings per (head_dim, causal, FP8 P·V), from ``benchmarks/tune_attention.py``
+# on the H200 (NOTES.md has the sweep). 64 query rows and 4 warps per program beat
+# 128 rows and 8 warps there: fewer registers per thread, two programs per SM.
+DEFAULT_LAUNCH = LaunchConfig(64, 128, 4, 2)
 LAUNCH = {
-    (128, False, False): LaunchConfig(128, 64, 8, 2),
-    (128, True, False): LaunchConfig(128, 64, 8, 2),
-    (128, False, True): LaunchConfig(128, 64, 8, 2),
-    (128, True, True): LaunchConfig(128, 64, 8, 2),
-    (64, False, False): LaunchConfig(128, 64, 8, 2),
-    (64, True, False): LaunchConfig(128, 64, 8, 2),
-    (64, False, True): LaunchConfig(128, 64, 8, 2),
-    (64, True, True): LaunchConfig(128, 64, 8, 2),
+    (128, False, False): LaunchConfig(64, 128, 4, 2),
+    (128, True, False): LaunchConfig(64, 128, 4, 2),
+    (128, False, True): LaunchConfig(64, 128, 4, 3),
+    (128, True, True): LaunchConfig(64, 128, 4, 3),
 }
 
 
@@ -284,6 +313,13 @@ def all_high(q_len: int, kv_len: int, q_offset: int, diag: int) -> bool:
     """True when the diagonal band covers every (query, key) tile pair."""
     first, last = min(0, q_offset), max(kv_len - 1, q_offset + q_len - 1)
     return diag > (last - first) // TILE + 1
+
+
+def check_extent(kv_len: int, kv_heads: int, head_dim: int) -> None:
+    """The key loop indexes one batch item's K/V in int32."""
+    if kv_len * kv_heads * head_dim >= 2**31:
+        raise ValueError(f"kv_len * kv_heads * head_dim must be < 2^31 per batch item; got "
+                         f"{kv_len} * {kv_heads} * {head_dim}")
 
 
 def query_blocks(q_len: int, q_offset: int, block_m: int) -> tuple[int, int]:
@@ -335,6 +371,7 @@ def mx_attention(
     ``vt`` / ``v_scale`` (from ``quantize.fp8_transpose``) select the FP8 P·V.
     """
     b, kv_len, hkv, d = v.shape
+    check_extent(kv_len, hkv, d)
     hq = q8.hi_ts.shape[2] if q8.hi_ts is not None else q8.hi_codes.shape[2]
     pv_fp8 = vt is not None
     launch = launch or launch_config(d, causal, pv_fp8)

@@ -198,7 +198,8 @@ def _channel_mean_kernel(part_ptr, L, H, N_CHUNKS, mean_ptr, D: tl.constexpr):
 def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
                           D: tl.constexpr, BLOCK_T: tl.constexpr):
     """V for the FP8 P·V: E4M3 with a power-of-two scale per channel, stored
-    transposed as [B, H, D, L] so that it is the K-major operand of P·V.
+    transposed as [B, H, D, LP] (LP = L rounded up to 16, so that every row starts
+    16-byte aligned and loads vectorize) as the K-major operand of P·V.
 
     The channel amax comes from ``_channel_reduce_kernel`` partials (AMAX=True);
     numerics as ``dma_jax.formats.fp8_per_channel``. One program per
@@ -221,7 +222,8 @@ def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
     values = round_to_element(x * pow2(-t_exp)[None, :], 3, -6, 448.0)
     values = tl.where(finite[None, :], values, 0.0)
     codes = tl.trans(element_code(values, 4, 3, -6).to(tl.uint8))  # [D, BLOCK_T]
-    tl.store(xt_ptr + ((b * H + h) * D + cols)[:, None] * L + t[None, :], codes, mask=mask[None, :])
+    LP = tl.cdiv(L, 16) * 16
+    tl.store(xt_ptr + ((b * H + h) * D + cols)[:, None] * LP + t[None, :], codes, mask=mask[None, :])
     scale = tl.where(finite, pow2(t_exp), float("nan"))
     tl.store(scale_ptr + (b * H + h) * D + cols, scale, mask=(cols + pid_t * D) < D)  # first program only
 
@@ -261,6 +263,11 @@ def mean_launches(shape: tuple[int, ...], chunk: int = MEAN_CHUNK):
     b, l, h, d = shape
     n_chunks = triton.cdiv(l, chunk)
     return (n_chunks, h, b), (h, b), (n_chunks, b, h, d), n_chunks
+
+
+def padded_length(length: int) -> int:
+    """The row length of V's transposed FP8 copy: a multiple of 16 bytes."""
+    return -(-length // 16) * 16
 
 
 def transpose_grid(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -330,13 +337,14 @@ def channel_mean(x: torch.Tensor, chunk: int = MEAN_CHUNK) -> torch.Tensor:
 
 
 def fp8_transpose(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 bytes of ``x [B, L, H, D]`` transposed to ``[B, H, D, L]`` and the float32
+    """E4M3 bytes of ``x [B, L, H, D]`` transposed to ``[B, H, D, LP]`` (LP =
+    ``padded_length(L)``; the padding columns are not written) and the float32
     per-channel scales ``[B, H, D]`` (two launches)."""
     if not x.is_contiguous():
         raise ValueError("fp8_transpose needs a contiguous [B, L, H, D] tensor")
     b, l, h, d = x.shape
     parts, n_chunks = _channel_partials(x, True)
-    xt = torch.empty((b, h, d, l), dtype=torch.uint8, device=x.device)
+    xt = torch.empty((b, h, d, padded_length(l)), dtype=torch.uint8, device=x.device)
     scale = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
     _fp8_transpose_kernel[transpose_grid(x.shape)](x, parts, l, h, n_chunks, xt, scale,
                                                    D=d, BLOCK_T=TRANSPOSE_BLOCK_T)
