@@ -48,12 +48,17 @@ def needle(key: int | str) -> str:
 
 
 def build_prompt(tokenizer, filler: list[int], length: int, depth: float, key: int) -> list[int]:
-    """A chat prompt of about ``length`` tokens with the key sentence at ``depth``."""
-    overhead = len(chat_prompt(tokenizer, needle(key) + QUESTION))
-    body = filler[: max(length - overhead, 0)]
-    cut = int(round(depth * len(body)))
-    text = tokenizer.decode(body[:cut]) + needle(key) + tokenizer.decode(body[cut:]) + "\n\n" + QUESTION
-    return chat_prompt(tokenizer, text)
+    """A chat prompt of at most ``length`` tokens (a few fewer at most) with the key
+    sentence at ``depth`` of the filler text."""
+    size = max(length - len(chat_prompt(tokenizer, needle(key) + QUESTION)), 0)
+    while True:
+        body = filler[:size]
+        cut = int(round(depth * len(body)))
+        text = tokenizer.decode(body[:cut]) + needle(key) + tokenizer.decode(body[cut:]) + "\n\n" + QUESTION
+        ids = chat_prompt(tokenizer, text)
+        if len(ids) <= length or size == 0:
+            return ids
+        size -= len(ids) - length  # re-tokenising at the splices can add a token or two
 
 
 def found(answer: str, key: int) -> bool:

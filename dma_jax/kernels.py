@@ -76,7 +76,8 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
             out_shape=_sds((batch, kv_heads, dim), np.float32), grid=grid_mean, D=dim,
         )
 
-    native = attn.native_formats(_capability(), low)
+    capability = _capability()
+    native = attn.native_formats(capability, low)
     has_lo = not attn.all_high(q_len, kv_len, q_offset, config.diag_tiles)
     copies = dict(codes=any(native), fp8=not all(native), write_lo=has_lo)
 
@@ -100,7 +101,7 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
                        _sds((batch, kv_heads, dim), np.float32)],
             grid=quant.transpose_grid(v.shape), D=dim, BLOCK_T=quant.TRANSPOSE_BLOCK_T,
         )
-    launch = attn.launch_config(dim, causal, pv_fp8)
+    launch = attn.launch_config(dim, causal, pv_fp8, capability)
     n_blocks, block0 = attn.query_blocks(q_len, q_offset, launch.block_m)
     meta = attn.attention_meta(
         dim, causal=causal, high=high, low=low, native=native, has_lo=has_lo, pv_fp8=pv_fp8,

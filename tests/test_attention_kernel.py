@@ -192,7 +192,7 @@ types = {"*u8": [f"{x}{c}_{f}" for x in "qk" for c in "hl" for f in ("codes", "s
          "*bf16": ["v_ptr", "o_ptr"],
          "i32": ["Lq", "Lk", "HQ", "HKV", "q_offset", "block0", "diag", "sink"]}
 signature = {name: ty for ty, names in types.items() for name in names}
-launch = launch_config(128, True, pv_fp8)
+launch = launch_config(128, True, pv_fp8, (arch // 10, arch % 10))
 meta = attention_meta(128, causal=True, high="mxfp8_e4m3", low=low, native=(arch >= 100, native), has_lo=True,
                       pv_fp8=pv_fp8, v_dtype_is_f32=False, interpret=False, launch=launch)
 signature.update({name: "constexpr" for name in meta})

@@ -52,6 +52,7 @@ def test_passkey_benchmark_tiny(tmp_path, capsys):
     report = json.loads((tmp_path / "passkey_cpu.json").read_text())
     (cell,) = report["cells"]
     assert 10000 <= cell["key"] < 100000 and cell["depth"] == 0.5
+    assert 100 <= cell["prompt_tokens"] <= 120
     assert set(cell["results"]) == set(passkey.CONFIGS) == set(report["hit_rate"])
     for r in cell["results"].values():
         assert r["hit"] == passkey.found(r["answer"], cell["key"])

@@ -293,20 +293,27 @@ class LaunchConfig:
     num_stages: int
 
 
-# Launch settings per (head_dim, causal, FP8 P·V), from ``benchmarks/tune_attention.py``
-# on the H200 (NOTES.md has the sweep). 64 query rows and 4 warps per program beat
-# 128 rows and 8 warps there: fewer registers per thread, two programs per SM.
-DEFAULT_LAUNCH = LaunchConfig(64, 128, 4, 2)
-LAUNCH = {
+# Launch settings per GPU generation and (head_dim, causal, FP8 P·V). sm_90: from
+# ``benchmarks/tune_attention.py`` on the H200 (NOTES.md has the sweep): 64 query rows
+# and 4 warps per program beat 128 rows and 8 warps there (fewer registers per
+# thread). Everything else, sm_100 included, takes 128 rows and 8 warps: tcgen05's
+# block-scaled MMA needs 128-row tiles (a CPU test checks the sm_100 PTX).
+DEFAULT_LAUNCH = LaunchConfig(128, 64, 8, 2)
+LAUNCH_SM90 = {
     (128, False, False): LaunchConfig(64, 128, 4, 2),
     (128, True, False): LaunchConfig(64, 128, 4, 2),
     (128, False, True): LaunchConfig(64, 128, 4, 3),
     (128, True, True): LaunchConfig(64, 128, 4, 3),
 }
+SM90_FALLBACK = LaunchConfig(64, 128, 4, 2)  # head_dim 64: not swept yet
 
 
-def launch_config(head_dim: int, causal: bool, pv_fp8: bool) -> LaunchConfig:
-    return LAUNCH.get((head_dim, causal, pv_fp8), DEFAULT_LAUNCH)
+def launch_config(head_dim: int, causal: bool, pv_fp8: bool,
+                  capability: tuple[int, int] | None) -> LaunchConfig:
+    """The launch settings for a GPU of compute ``capability`` (None: interpreter)."""
+    if capability is not None and capability[0] == 9:
+        return LAUNCH_SM90.get((head_dim, causal, pv_fp8), SM90_FALLBACK)
+    return DEFAULT_LAUNCH
 
 
 def all_high(q_len: int, kv_len: int, q_offset: int, diag: int) -> bool:
@@ -374,7 +381,8 @@ def mx_attention(
     check_extent(kv_len, hkv, d)
     hq = q8.hi_ts.shape[2] if q8.hi_ts is not None else q8.hi_codes.shape[2]
     pv_fp8 = vt is not None
-    launch = launch or launch_config(d, causal, pv_fp8)
+    capability = torch.cuda.get_device_capability(v.device) if v.is_cuda else None
+    launch = launch or launch_config(d, causal, pv_fp8, capability)
     n_m, block0 = query_blocks(q_len, q_offset, launch.block_m)
     out = torch.empty((b, q_len, hq, d), dtype=v.dtype, device=v.device)
     _dma_attention_kernel[(n_m, hq, b)](
