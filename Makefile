@@ -20,8 +20,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) -m models.generate --chat --prompt "What is the capital of France?" \
-		--attention dma --max-new-tokens 40 --compare
+	$(PY) -m models.generate --chat --attention dma --max-new-tokens 40 --compare \
+		--prompt "What is the capital of France?" --prompt "Name three primary colors." \
+		--prompt "How many days are there in a week?" \
+		--prompt "What is the boiling point of water in Celsius?"
 
 accuracy: $(STAMP)
 	$(PY) benchmarks/accuracy.py

@@ -106,7 +106,8 @@ def agreement(a: list[int], b: list[int]) -> tuple[float, int | None]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Generate text with the Flax Llama and DMA attention.")
-    p.add_argument("--prompt", default="What is the capital of France?")
+    p.add_argument("--prompt", action="append", default=None,
+                   help='repeat for several prompts (default: "What is the capital of France?")')
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--attention", default="dma", choices=["dma", "exact", "xla"])
@@ -129,12 +130,21 @@ def main(argv: list[str] | None = None) -> None:
 
     model, make_tokenizer = load_checkpoint(args.checkpoint, dtype=getattr(jnp, args.dtype))
     tokenizer = make_tokenizer()
-    ids = chat_prompt(tokenizer, args.prompt) if args.chat else tokenizer.encode(args.prompt)
     dma = DMAConfig(diag_tiles=args.diag_tiles, sink_tiles=args.sink_tiles, high=args.high, low=args.low)
     spec = AttentionSpec.named(args.attention, dma=dma, decode=args.decode_attention)
+    for i, prompt in enumerate(args.prompt or ["What is the capital of France?"]):
+        if i:
+            print()
+        if len(args.prompt or ()) > 1:
+            print(f"> {prompt}")
+        ids = chat_prompt(tokenizer, prompt) if args.chat else tokenizer.encode(prompt)
+        _answer(model, tokenizer, ids, spec, args)
+
+
+def _answer(model: Llama, tokenizer, ids: list[int], spec: AttentionSpec, args) -> None:
+    """Stream one answer, print the summary line and, with --compare, exact's answer."""
     sampling = Sampling(args.temperature, args.top_p, args.seed)
     stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-
     timings = Timings()
     out: list[int] = []
     printed = ""
@@ -156,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
                               sampling=sampling, stop_ids=stop))
         rate, first = agreement(out, exact)
         print(f"[vs exact attention: {rate:.1%} of generated tokens agree; "
-              f"first divergence at {'none' if first is None else f'token {first}'}]")
+              f"first divergence: {'none' if first is None else f'token {first}'}]")
         if first is not None:
             print("exact:", tokenizer.decode(exact, skip_special_tokens=True))
 

@@ -129,6 +129,14 @@ def test_cli_streams_and_compares(capsys):
     assert "100.0% of generated tokens agree" in out
 
 
+def test_cli_answers_several_prompts(capsys):
+    main(["--chat", "--prompt", "What is the capital of France?", "--prompt", "Who wrote Romeo and Juliet?",
+          "--max-new-tokens", "12", "--attention", "exact"])
+    out = capsys.readouterr().out
+    assert "> What is the capital of France?" in out and "> Who wrote Romeo and Juliet?" in out
+    assert "Paris" in out and "Shakespeare" in out and out.count("new tokens;") == 2
+
+
 def test_bad_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a directory nor a .gguf"):
         load_checkpoint(str(tmp_path / "missing.bin"))
