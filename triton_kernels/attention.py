@@ -1,22 +1,24 @@
-"""The DMA prefill kernel: Q·Kᵀ from MX copies, online base-2 softmax, P·V in bf16/fp16.
+"""The DMA prefill kernel: Q·Kᵀ from MX copies, online base-2 softmax, P·V in
+bf16/fp16 (or FP8 with ``pv="fp8"``).
 
-One program per (query tile, query head, batch). Query tiles are aligned to
-absolute positions (tile ``tq`` holds positions ``[tq·128, tq·128 + 128)``), and
-key blocks to key positions, so every (query tile, key block) pair is entirely
-high or entirely low precision (DESIGN.md §3.3). The key range of a program is
-cut into at most four consecutive runs of tiles — sink (high), far (low),
-diagonal band (high), and for non-causal attention the far side (low) — and
-each run is a loop whose format is a compile-time constant: no branch per tile.
+One program per (query block, query head, batch). Query blocks (64 or 128 rows)
+lie inside one 128-token tile of absolute positions, and key blocks inside one
+key tile, so every (query block, key block) pair is entirely high or entirely
+low precision (DESIGN.md §3.3). The key range of a program is cut into at most
+four consecutive runs of tiles — sink (high), far (low), diagonal band (high),
+and for non-causal attention the far side (low) — and each run is a loop whose
+format is a compile-time constant: no branch per tile. Each run is split once
+more into fully valid blocks (no masks) and the blocks at the causal or kv_len
+edge (masked).
 
 Q·Kᵀ per format:
-* ``NATIVE_MX`` (sm_100+): ``tl.dot_scaled`` on the codes and scale bytes, the
+* ``NATIVE_HI/LO`` (sm_100+): ``tl.dot_scaled`` on the codes and scale bytes, the
   block-scaled tensor-core MMA (``tcgen05.mma ... block_scale``).
-* otherwise (sm_90, Triton's interpreter): the quantizer's bf16 copy of
-  ``e · block_scale`` (exact: at most 6 significant bits), written once per call,
-  multiplied on bf16 tensor cores (fp32 under the interpreter, whose bf16 dot is
-  broken), accumulating in fp32. Decoding 4-bit codes inside the loop instead
-  ran 4.3x slower on the H200 (NOTES.md).
-NVFP4's float32 per-token scales multiply the score tile afterwards.
+* otherwise (sm_90, Triton's interpreter): the quantizer's per-token E4M3 copies
+  (``dma_jax.formats.fp8_per_token``) on FP8 tensor cores, both operands K-major,
+  and the scores times the two token scales. Decoding 4-bit codes inside the loop
+  instead ran 4.3x slower on the H200 (NOTES.md).
+NVFP4's float32 per-token scales multiply the native score tile afterwards.
 
 Inputs are the outputs of ``triton_kernels.quantize`` (Q already carries
 ``sm_scale · log2(e)``; K is already smoothed). This module never imports JAX.
