@@ -40,8 +40,8 @@ import dma_jax
 from dma_jax import DMAConfig
 from dma_jax.metrics import error_metrics
 from dma_jax.reference import high_pair_fraction
-from models.generate import agreement, chat_prompt
-from models.llama import AttentionSpec, KVCache, load_checkpoint
+from models.generate import agreement, chat_prompt, generate
+from models.llama import AttentionSpec, load_checkpoint
 
 CONFIGS = {
     "exact": None,
@@ -158,27 +158,15 @@ def perplexity_table(model, tokenizer, window: int, count: int) -> list[dict]:
 
 def greedy_agreement(model, tokenizer, prompts: list[str], new_tokens: int) -> dict[str, dict]:
     """Greedy answers to chat prompts with each config in GREEDY, against exact's."""
-    stop = tokenizer.eos_token_id
+    stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     encoded = [chat_prompt(tokenizer, p) for p in prompts]
     cache_len = max(len(ids) for ids in encoded) + new_tokens  # one decode shape per config
     answers = {}
     for name in GREEDY:
         cfg = CONFIGS[name]
         spec = AttentionSpec.named("exact") if cfg is None else AttentionSpec.named("dma", dma=cfg)
-        prefill = nnx.jit(lambda m, t, c, s=spec: m.prefill(t, c, s))
-        decode = nnx.jit(lambda m, t, c, s=spec: m.decode(t, c, s))
-        answers[name] = []
-        for ids in encoded:
-            cache = KVCache.empty(model.config, 1, cache_len, model.dtype)
-            logits, cache = prefill(model, jnp.asarray([ids], jnp.int32), cache)
-            out = []
-            for _ in range(new_tokens):
-                token = int(jnp.argmax(logits[0, -1]))
-                out.append(token)
-                if token == stop:
-                    break
-                logits, cache = decode(model, jnp.asarray([[token]], jnp.int32), cache)
-            answers[name].append(out)
+        answers[name] = [list(generate(model, ids, spec=spec, max_new_tokens=new_tokens, stop_ids=stop,
+                                       cache_len=cache_len)) for ids in encoded]
     result = {}
     print(f"\ngreedy answers to {len(prompts)} chat prompts, first {new_tokens} tokens, vs exact attention")
     print("| attention | identical answers | token agreement | median first divergence |")

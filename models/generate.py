@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -59,16 +60,31 @@ class Timings:
     decode_s: float = 0.0
 
 
+@functools.lru_cache(maxsize=None)
+def compiled_steps(spec: AttentionSpec):
+    """(prefill, decode) jitted for one attention spec, shared by every call, so that
+    repeated generations reuse their compilations (JAX retraces per new shape only)."""
+    return (nnx.jit(lambda m, t, c: m.prefill(t, c, spec)),
+            nnx.jit(lambda m, t, c: m.decode(t, c, spec)))
+
+
 def generate(
     model: Llama, prompt_ids: list[int], *, spec: AttentionSpec, max_new_tokens: int,
     sampling: Sampling = Sampling(), stop_ids: tuple[int, ...] = (), timings: Timings | None = None,
+    cache_len: int | None = None,
 ) -> Iterator[int]:
-    """Yield new token ids one by one (prefill once, then one decode step per token)."""
+    """Yield new token ids one by one (prefill once, then one decode step per token).
+
+    ``cache_len``: KV-cache length, at least prompt + new tokens (the default); one
+    length for many prompts lets them share one compiled decode step.
+    """
     timings = timings or Timings()
     tokens = jnp.asarray([prompt_ids], jnp.int32)
-    cache = KVCache.empty(model.config, 1, len(prompt_ids) + max_new_tokens, model.dtype)
-    prefill = nnx.jit(lambda m, t, c: m.prefill(t, c, spec))
-    decode = nnx.jit(lambda m, t, c: m.decode(t, c, spec))
+    needed = len(prompt_ids) + max_new_tokens
+    if cache_len is not None and cache_len < needed:
+        raise ValueError(f"cache_len must be >= prompt + new tokens ({needed}); got {cache_len}")
+    cache = KVCache.empty(model.config, 1, cache_len or needed, model.dtype)
+    prefill, decode = compiled_steps(spec)
     key = jax.random.PRNGKey(sampling.seed)
     timings.prompt_tokens = len(prompt_ids)
 

@@ -107,6 +107,12 @@ def test_greedy_answer_contains_paris(smollm):
     out = list(generate(model, ids, spec=AttentionSpec.named("exact"), max_new_tokens=12,
                         stop_ids=(tokenizer.eos_token_id,)))
     assert "Paris" in tokenizer.decode(out)
+    # A longer KV cache (shared by prompts of several lengths) changes nothing.
+    longer = list(generate(model, ids, spec=AttentionSpec.named("exact"), max_new_tokens=12,
+                           stop_ids=(tokenizer.eos_token_id,), cache_len=len(ids) + 40))
+    assert longer == out
+    with pytest.raises(ValueError, match=r"cache_len must be >= prompt \+ new tokens"):
+        next(generate(model, ids, spec=AttentionSpec.named("exact"), max_new_tokens=12, cache_len=len(ids)))
 
 
 def test_sampling():
