@@ -1,6 +1,7 @@
 """DMA attention on torch tensors: smooth-K mean, dual quantization of Q and K, the kernel.
 
-Four launches (mean partials, mean, quantize Q, quantize K) and one attention
+Four launches (mean partials, mean, quantize Q, quantize K), two more for the
+FP8 P·V (V's channel amax partials, its transposed E4M3 copy), and one attention
 launch. The JAX front end (``dma_jax.kernels``) issues the same launches
 through jax-triton. This module never imports JAX.
 """

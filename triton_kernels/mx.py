@@ -21,6 +21,13 @@ def exponent(a):
 
 
 @triton.jit
+def flush_subnormals(x):
+    """float32 subnormals become zeros of the same sign (as ``dma_jax.formats``)."""
+    sign = (x.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < 1.1754943508222875e-38, sign, x)
+
+
+@triton.jit
 def abs_max(x, axis: tl.constexpr):
     """max |x| along axis, NaN if any element is NaN (as jnp.max)."""
     a = tl.abs(x)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .mx import abs_max, element_code, exponent, pow2, round_to_element
+from .mx import abs_max, element_code, exponent, flush_subnormals, pow2, round_to_element
 
 # Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
 # Kept in step with dma_jax.formats.FORMATS (a test checks it).
@@ -79,7 +79,9 @@ def _quantize_tile(
     if NVFP4:
         # NVFP4 per-token scale: the token amax maps onto 6 (E2M1 max) x 448 (E4M3 max).
         s2 = tl.math.div_rn(abs_max(x, 1), tl.full((BLOCK_T,), 2688.0, tl.float32))
-        s2 = tl.where(tl.abs(s2) < 1.1754943508222875e-38, 1.0, s2)  # subnormal: an all-zero token
+        # A subnormal s2 counts as an all-zero token (as in dma_jax.formats).
+        s2 = flush_subnormals(s2)
+        s2 = tl.where(s2 == 0, 1.0, s2)
         sb_f = tl.math.div_rn(amax, 6.0 * s2[:, None])
         finite = (sb_f == sb_f) & (tl.abs(sb_f) < float("inf"))
         sb = round_to_element(tl.where(finite, sb_f, 0.0), 3, -6, 448.0)
@@ -148,9 +150,7 @@ def _dual_quantize_kernel(
     if SMOOTH:
         x = x - tl.load(mean_ptr + (b * H + h) * D + cols)[None, :]
     x = x * fold
-    # float32 subnormals count as signed zeros (as in dma_jax.formats).
-    sign = (x.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
-    x = tl.where(tl.abs(x) < 1.1754943508222875e-38, sign, x)
+    x = flush_subnormals(x)
     _quantize_tile(x, rows, cols, mask, hi_codes, hi_scales, lo_token, hi_f8, hi_ts,
                    HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D, WRITE_CODES, WRITE_FP8)
     if WRITE_LO:
@@ -216,9 +216,7 @@ def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     mask = t < L
     x = tl.load(x_ptr + ((b * L + t) * H + h)[:, None] * D + cols[None, :], mask=mask[:, None], other=0.0)
-    x = x.to(tl.float32)
-    sign = (x.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
-    x = tl.where(tl.abs(x) < 1.1754943508222875e-38, sign, x)
+    x = flush_subnormals(x.to(tl.float32))
     values = round_to_element(x * pow2(-t_exp)[None, :], 3, -6, 448.0)
     values = tl.where(finite[None, :], values, 0.0)
     codes = tl.trans(element_code(values, 4, 3, -6).to(tl.uint8))  # [D, BLOCK_T]
