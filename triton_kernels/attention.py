@@ -139,7 +139,9 @@ def _attend_run(
             # block's product starts from zero (Hopper's FP8 accumulator keeps
             # ~22 bits) and is added to acc in fp32.
             if MASK:
-                vt = tl.load(vt_ptrs, mask=t_ok[None, :], other=0)
+                # Columns [Lk, LP) of V^T are zeros: masking by LP (a multiple of
+                # 16) keeps the loads vectorized where Lk is not specialised.
+                vt = tl.load(vt_ptrs, mask=(t < vt_stride)[None, :], other=0)
             else:
                 vt = tl.load(vt_ptrs)
             pv = tl.dot(pr.to(tl.float8e4nv), tl.trans(vt.to(tl.float8e4nv, bitcast=True)), out_dtype=tl.float32)
@@ -296,18 +298,24 @@ class LaunchConfig:
 
 
 # Launch settings per GPU generation and (head_dim, causal, FP8 P·V). sm_90: from
-# ``benchmarks/tune_attention.py`` on the H200 (NOTES.md has the sweep): 64 query rows
-# and 4 warps per program beat 128 rows and 8 warps there (fewer registers per
-# thread). Everything else, sm_100 included, takes 128 rows and 8 warps: tcgen05's
+# ``benchmarks/tune_attention.py`` and ``benchmarks/profile_attention.py`` on the H200
+# (NOTES.md has the sweeps): 64 query rows and 4 warps per program beat 128 rows and
+# 8 warps (255 registers per thread either way; 128 rows spill). At head_dim 128 with
+# a bf16 V, 64-key steps and 3 stages leave no spills and beat 128-key steps.
+# Everything else, sm_100 included, takes 128 rows and 8 warps: tcgen05's
 # block-scaled MMA needs 128-row tiles (a CPU test checks the sm_100 PTX).
 DEFAULT_LAUNCH = LaunchConfig(128, 64, 8, 2)
 LAUNCH_SM90 = {
-    (128, False, False): LaunchConfig(64, 128, 4, 2),
-    (128, True, False): LaunchConfig(64, 128, 4, 2),
+    (128, False, False): LaunchConfig(64, 64, 4, 3),
+    (128, True, False): LaunchConfig(64, 64, 4, 3),
     (128, False, True): LaunchConfig(64, 128, 4, 3),
     (128, True, True): LaunchConfig(64, 128, 4, 3),
+    (64, False, False): LaunchConfig(64, 128, 4, 3),
+    (64, True, False): LaunchConfig(64, 128, 4, 3),
+    (64, False, True): LaunchConfig(64, 128, 4, 3),
+    (64, True, True): LaunchConfig(64, 128, 4, 3),
 }
-SM90_FALLBACK = LaunchConfig(64, 128, 4, 2)  # head_dim 64: not swept yet
+SM90_FALLBACK = LaunchConfig(64, 128, 4, 3)
 
 
 def launch_config(head_dim: int, causal: bool, pv_fp8: bool,

@@ -199,7 +199,8 @@ def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
                           D: tl.constexpr, BLOCK_T: tl.constexpr):
     """V for the FP8 P·V: E4M3 with a power-of-two scale per channel, stored
     transposed as [B, H, D, LP] (LP = L rounded up to 16, so that every row starts
-    16-byte aligned and loads vectorize) as the K-major operand of P·V.
+    16-byte aligned and loads vectorize; columns past L are zero) as the K-major
+    operand of P·V.
 
     The channel amax comes from ``_channel_reduce_kernel`` partials (AMAX=True);
     numerics as ``dma_jax.formats.fp8_per_channel``. One program per
@@ -220,8 +221,12 @@ def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
     values = round_to_element(x * pow2(-t_exp)[None, :], 3, -6, 448.0)
     values = tl.where(finite[None, :], values, 0.0)
     codes = tl.trans(element_code(values, 4, 3, -6).to(tl.uint8))  # [D, BLOCK_T]
+    # The padding columns [L, LP) get zeros (x was loaded as 0 there). Masking by
+    # LP, a multiple of 16, keeps the mask uniform over 16 tokens, so the stores
+    # vectorize also where L is not specialised (jax-triton passes it as a plain
+    # int; masking by L made the stores byte-wise there).
     LP = tl.cdiv(L, 16) * 16
-    tl.store(xt_ptr + ((b * H + h) * D + cols)[:, None] * LP + t[None, :], codes, mask=mask[None, :])
+    tl.store(xt_ptr + ((b * H + h) * D + cols)[:, None] * LP + t[None, :], codes, mask=(t < LP)[None, :])
     scale = tl.where(finite, pow2(t_exp), float("nan"))
     tl.store(scale_ptr + (b * H + h) * D + cols, scale, mask=(cols + pid_t * D) < D)  # first program only
 
@@ -336,7 +341,7 @@ def channel_mean(x: torch.Tensor, chunk: int = MEAN_CHUNK) -> torch.Tensor:
 
 def fp8_transpose(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 bytes of ``x [B, L, H, D]`` transposed to ``[B, H, D, LP]`` (LP =
-    ``padded_length(L)``; the padding columns are not written) and the float32
+    ``padded_length(L)``; the padding columns hold zeros) and the float32
     per-channel scales ``[B, H, D]`` (two launches)."""
     if not x.is_contiguous():
         raise ValueError("fp8_transpose needs a contiguous [B, L, H, D] tensor")
