@@ -1,0 +1,155 @@
+"""Where the time of one DMA call goes on the GPU, launch by launch.
+
+GPU only. At B=1, S=8192, 32 query and 8 kv heads, D=128, bf16, for the DMA
+default config and the Hopper preset, causal and not, it times
+
+* each launch of a call alone (torch launchers, ``triton.testing.do_bench``):
+  the smooth-K mean, the quantization of Q and of K, V's FP8 transpose (the
+  preset), and the attention kernel on inputs prepared beforehand;
+* the whole call through torch and through ``jax.jit`` (back-to-back calls);
+
+and reports the attention kernel's registers per thread, spilled bytes and
+shared memory as Triton compiled it (torch launch). Prints a table and writes
+``results/profile_attention_<gpu>.json``.
+
+``--once`` launches each attention kernel once and exits, for a hardware
+profile of exactly those launches::
+
+    python benchmarks/profile_attention.py [--seq 8192]
+    ncu --clock-control none -k regex:_dma_attention -c 4 \\
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,\\
+    smsp__issue_active.avg.pct_of_peak_sustained_active,\\
+    sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,\\
+    sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,\\
+    sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active" \\
+        python benchmarks/profile_attention.py --once
+
+(``results/ncu_attention_h200.txt`` is the output of this command plus the duration;
+the four launches
+are default non-causal, default causal, preset non-causal, preset causal.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import torch
+import triton
+
+from attention import CONFIGS, KV_HEADS, Q_HEADS, copies_needed, dma_fn, time_jax
+from dma_jax import bridge
+from triton_kernels import attention as attn
+from triton_kernels.dma import dma_attention, softmax_fold
+from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
+
+
+def compiled_kernels() -> dict[int, object]:
+    """The attention kernel's compiled variants in Triton's JIT cache, by id."""
+    found = {}
+    for cache in getattr(attn._dma_attention_kernel, "device_caches", {}).values():
+        for part in cache if isinstance(cache, tuple) else (cache,):
+            if isinstance(part, dict):
+                found.update({id(k): k for k in part.values() if hasattr(k, "n_regs")})
+    return found
+
+
+def resources(kernel) -> dict:
+    return {"registers": kernel.n_regs, "spilled_bytes": kernel.n_spills,
+            "shared_bytes": getattr(kernel.metadata, "shared", None)}
+
+
+def launches(cfg, causal, q, k, v):
+    """Each launch of one DMA call, as torch closures, and the attention on prepared inputs."""
+    d = q.shape[-1]
+    has_lo = not attn.all_high(q.shape[1], k.shape[1], 0, cfg.diag_tiles)
+    copies = dict(codes=False, fp8=True, write_lo=has_lo)
+    mean = channel_mean(k)
+    q8 = dual_quantize(q, fold=softmax_fold(d**-0.5), **copies)
+    k8 = dual_quantize(k, mean=mean, **copies)
+    vt, v_scale = fp8_transpose(v) if cfg.pv == "fp8" else (None, None)
+    stages = {
+        "smooth_k_mean": lambda: channel_mean(k),
+        "quantize_q": lambda: dual_quantize(q, fold=softmax_fold(d**-0.5), **copies),
+        "quantize_k": lambda: dual_quantize(k, mean=mean, **copies),
+    }
+    if cfg.pv == "fp8":
+        stages["v_fp8_transpose"] = lambda: fp8_transpose(v)
+    stages["attention"] = lambda: attn.mx_attention(
+        q8, k8, v, q_len=q.shape[1], causal=causal, q_offset=0, diag=cfg.diag_tiles, sink=cfg.sink_tiles,
+        high=cfg.high, low=cfg.low, native=(False, False), has_lo=has_lo, vt=vt, v_scale=v_scale)
+    return stages
+
+
+def whole_call_torch(cfg, causal, q, k, v):
+    return dma_attention(q, k, v, causal=causal, q_offset=0, diag_tiles=cfg.diag_tiles,
+                         sink_tiles=cfg.sink_tiles, high=cfg.high, low=cfg.low, smooth_k=cfg.smooth_k,
+                         sm_scale=q.shape[-1] ** -0.5, pv=cfg.pv)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--once", action="store_true", help="launch each attention once (for ncu) and exit")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/profile_attention.py needs a CUDA GPU")
+    s, d = args.seq, args.head_dim
+    key = jax.random.PRNGKey(s + d)
+    sets = []
+    for i in range(copies_needed(s, d)):
+        ks = jax.random.split(jax.random.fold_in(key, i), 3)
+        sets.append([jax.random.normal(kk, (1, s, h, d), jnp.bfloat16) for kk, h in zip(ks, (Q_HEADS, KV_HEADS, KV_HEADS))])
+    torch_sets = [[bridge.to_torch(x) for x in st] for st in sets]
+    q, k, v = torch_sets[0]
+    rows = []
+    for (name, cfg), causal in ((c, causal) for c in CONFIGS.items() for causal in (False, True)):
+        stages = launches(cfg, causal, q, k, v)
+        if args.once:
+            stages["attention"]()
+            torch.cuda.synchronize()
+            continue
+        flops = 4 * s * s * Q_HEADS * d / (2 if causal else 1)
+        before = compiled_kernels()
+        ms = {stage: triton.testing.do_bench(fn, warmup=10, rep=100) for stage, fn in stages.items()}
+        new = [kern for kid, kern in compiled_kernels().items() if kid not in before]
+        ms["sum_of_launches"] = sum(ms.values())
+        ms["torch_call"] = triton.testing.do_bench(lambda: whole_call_torch(cfg, causal, q, k, v), warmup=10, rep=100)
+        ms["jax_call"] = time_jax(dma_fn(cfg, causal), sets)
+        row = {"config": name, "causal": causal, "ms": ms,
+               "attention_tflops": flops / ms["attention"] / 1e9, "jax_call_tflops": flops / ms["jax_call"] / 1e9,
+               "kernel": resources(new[0]) if new else None}
+        rows.append(row)
+        res = row["kernel"] or {}
+        print(f"{name} causal={causal}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items()) +
+              f" ms; attention {row['attention_tflops']:.0f} TFLOP/s, JAX call {row['jax_call_tflops']:.0f}; "
+              f"registers {res.get('registers')}, spilled {res.get('spilled_bytes')} B, "
+              f"shared {res.get('shared_bytes')} B", flush=True)
+    if args.once:
+        return
+    print(f"\n{torch.cuda.get_device_name()}, B=1, S={s}, {Q_HEADS}:{KV_HEADS} heads, D={d}, bf16; ms")
+    names = list(dict.fromkeys(k for r in rows for k in r["ms"]))
+    print("| config | causal | " + " | ".join(names) + " | attention TFLOP/s | regs | spill B |")
+    print("|---|---|" + "---:|" * (len(names) + 3))
+    for r in rows:
+        res = r["kernel"] or {}
+        print(f"| {r['config']} | {r['causal']} | " + " | ".join(f"{r['ms'][n]:.3f}" if n in r["ms"] else "" for n in names)
+              + f" | {r['attention_tflops']:.0f} | {res.get('registers')} | {res.get('spilled_bytes')} |")
+    os.makedirs(args.out, exist_ok=True)
+    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    path = os.path.join(args.out, f"profile_attention_{gpu}.json")
+    with open(path, "w") as fh:
+        json.dump({"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
+                   "triton": triton.__version__, "seq": s, "head_dim": d, "heads": [Q_HEADS, KV_HEADS],
+                   "rows": rows}, fh, indent=2)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
