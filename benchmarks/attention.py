@@ -79,7 +79,7 @@ def quantize_only(cfg: DMAConfig, q, k, v) -> None:
     write_lo = not all_high(q.shape[1], k.shape[1], 0, cfg.diag_tiles)
     mean = channel_mean(k)
     dual_quantize(q, fold=softmax_fold(q.shape[-1] ** -0.5), codes=False, fp8=True, write_lo=write_lo)
-    dual_quantize(k, mean=mean, codes=False, fp8=True, write_lo=write_lo)
+    dual_quantize(k, mean=mean, codes=False, fp8=True, write_lo=write_lo, per_tile=True)
     if cfg.pv == "fp8":
         fp8_transpose(v)
 

@@ -70,12 +70,12 @@ def launches(cfg, causal, q, k, v):
     copies = dict(codes=False, fp8=True, write_lo=has_lo)
     mean = channel_mean(k)
     q8 = dual_quantize(q, fold=softmax_fold(d**-0.5), **copies)
-    k8 = dual_quantize(k, mean=mean, **copies)
+    k8 = dual_quantize(k, mean=mean, per_tile=True, **copies)
     vt, v_scale = fp8_transpose(v) if cfg.pv == "fp8" else (None, None)
     stages = {
         "smooth_k_mean": lambda: channel_mean(k),
         "quantize_q": lambda: dual_quantize(q, fold=softmax_fold(d**-0.5), **copies),
-        "quantize_k": lambda: dual_quantize(k, mean=mean, **copies),
+        "quantize_k": lambda: dual_quantize(k, mean=mean, per_tile=True, **copies),
     }
     if cfg.pv == "fp8":
         stages["v_fp8_transpose"] = lambda: fp8_transpose(v)

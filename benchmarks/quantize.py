@@ -3,8 +3,9 @@
 GPU only (torch + triton). For Q/K of shape [B, S, H, D] in bf16 it times, with
 ``triton.testing.do_bench`` in one run: a plain copy of the tensor (torch), the
 smooth-K mean reduction, the dual quantization (MXFP8 + NVFP4 or MXFP4) in its
-two output modes (the per-token FP8 copies sm_90 reads, the codes sm_100 reads)
-and V's transposed FP8 copy. Bandwidth counts the bytes each kernel reads and
+three output modes (the FP8 copies sm_90 reads with a scale per token as for Q
+or per 128-token tile as for K, the codes sm_100 reads) and V's transposed FP8
+copy. Bandwidth counts the bytes each kernel reads and
 writes. Prints a table, writes JSON.
 
     python benchmarks/quantize.py [--shapes 1x8192x32x128,1x16384x8x128]
@@ -30,13 +31,16 @@ def quantize_bytes(shape, low: str, mode: str) -> int:
     n = b * s * h
     if mode == "fp8":  # two E4M3 copies and two float32 token scales
         written = n * (2 * d + 8)
+    elif mode == "fp8_tile":  # two E4M3 copies, two float32 scales per 128 tokens (input read once counted)
+        written = n * 2 * d + 8 * b * h * -(-s // 128)
     else:  # codes and scales of both formats (+ NVFP4's token scale)
         written = n * (d + d // 32 + d // 2 + d // (16 if low == "nvfp4" else 32))
         written += n * 4 if low == "nvfp4" else 0
     return n * d * 2 + written
 
 
-MODES = {"fp8": dict(codes=False, fp8=True), "codes": dict(codes=True, fp8=False)}
+MODES = {"fp8": dict(codes=False, fp8=True), "fp8_tile": dict(codes=False, fp8=True, per_tile=True),
+         "codes": dict(codes=True, fp8=False)}
 
 
 def main() -> None:
@@ -48,7 +52,8 @@ def main() -> None:
         raise SystemExit("benchmarks/quantize.py needs a CUDA GPU")
     rows = []
     cols = [f"{mode} {low}" for mode in MODES for low in ("nvfp4", "mxfp4")]
-    print("GB/s (fraction of copy bandwidth); fp8 = the sm_90 copies, codes = the sm_100 codes")
+    print("GB/s (fraction of copy bandwidth); fp8 = the sm_90 copies (Q), fp8_tile = with one scale per "
+          "128 tokens (K; reads its input twice, counted once), codes = the sm_100 codes")
     print("| shape [B,S,H,D] | copy GB/s | mean | " + " | ".join(cols) + " | V fp8 transpose |")
     print("|---|---:|---:|" + "---:|" * (len(cols) + 1))
     for text in args.shapes.split(","):

@@ -26,8 +26,9 @@ from triton_kernels.dma import softmax_fold
 from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
 
 CANDIDATES = [
-    LaunchConfig(64, 128, 4, 2), LaunchConfig(64, 128, 4, 3), LaunchConfig(64, 64, 4, 3),
-    LaunchConfig(128, 128, 8, 2), LaunchConfig(128, 64, 8, 3),
+    LaunchConfig(64, 128, 4, 2), LaunchConfig(64, 128, 4, 3), LaunchConfig(64, 64, 4, 2),
+    LaunchConfig(64, 64, 4, 3), LaunchConfig(64, 64, 4, 4), LaunchConfig(128, 128, 8, 2),
+    LaunchConfig(128, 128, 8, 3), LaunchConfig(128, 64, 8, 3),
 ]
 
 
@@ -46,7 +47,7 @@ def main() -> None:
         g = torch.Generator(device="cuda").manual_seed(d)
         q, k, v = (torch.randn(1, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
         q8 = dual_quantize(q, fold=softmax_fold(d**-0.5), codes=False, fp8=True)
-        k8 = dual_quantize(k, mean=channel_mean(k), codes=False, fp8=True)
+        k8 = dual_quantize(k, mean=channel_mean(k), codes=False, fp8=True, per_tile=True)
         vt, v_scale = fp8_transpose(v) if pv_fp8 else (None, None)
         flops = 4 * s * s * hq * d / (2 if causal else 1)
         timings = {}
@@ -68,7 +69,8 @@ def main() -> None:
         results.append({**key, "best": best.__dict__,
                         "tflops": [{**c.__dict__, "tflops": flops / t / 1e9} for c, t in timings.items()]})
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "tune_attention_h200.json")
+    dims = "" if args.head_dims == "128,64" else "_d" + args.head_dims.replace(",", "_")
+    path = os.path.join(args.out, f"tune_attention{dims}_h200.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                    "triton": triton.__version__, "seq": s, "heads": [hq, hkv], "results": results}, fh, indent=2)

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FORMATS", "Format", "Quantized", "get_format", "quantize", "dequantize", "fp8_per_token", "fp8_per_channel"]
+__all__ = ["FORMATS", "Format", "Quantized", "get_format", "quantize", "dequantize", "fp8_per_token", "fp8_per_tile",
+           "fp8_per_channel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +316,76 @@ def _fp8_per_token(q: Quantized, f: Format) -> tuple[jax.Array, jax.Array]:
     values = jnp.where(finite[..., None], values, 0.0)
     token = jnp.where(jnp.all(finite, axis=-1), token, jnp.nan)
     return values.reshape(*values.shape[:-2], -1), token
+
+
+def fp8_per_tile(q: Quantized, fmt: str, tile: int = 128, axis: int = 1) -> tuple[jax.Array, jax.Array]:
+    """K's tensor-core-ready copy on sm_90: E4M3 values with one float32 scale per
+    ``tile`` consecutive tokens along ``axis`` (the last tile may be shorter), so that
+    the kernel scales a whole key block by one number instead of every score column.
+
+    The tile scale is the largest per-token scale of :func:`fp8_per_token` over the
+    tile's finite tokens (NVFP4: over its finite, non-zero tokens).
+    MX formats: ``scale = 2^T`` with ``T`` the largest token ``T`` of the tile, and
+    ``values = RTNE_E4M3(e · 2^(X_b - T))``: exact unless an element falls below
+    E4M3's normal range (rare: the tile's tokens would have to differ by ~2^6 in
+    magnitude). NVFP4: ``scale = 8 · s2_max`` and
+    ``values = RTNE_E4M3((e · sb / 8) · (s2 / s2_max))`` with the ratio rounded to
+    float32 first: each element moves by at most 2^-4 of itself, as per token, but
+    almost every element is re-rounded.
+    A token with a NaN or Inf gets NaN values (its scale is shared), so only the
+    scores of that key become NaN.
+    ``axis`` is an axis of the token grid (the shape without head_dim), e.g. 1
+    for ``[batch, tokens, heads, head_dim]``.
+    Returns (float32 values of the quantized tensor's shape, float32 scales of the
+    token grid's shape with ``axis`` of length ``ceil(tokens / tile)``).
+    """
+    grid = q.codes.ndim - 1
+    if not -grid <= axis < grid or tile < 1:
+        raise ValueError(f"axis must index the token grid (ndim {grid}) and tile be >= 1; got axis={axis}, "
+                         f"tile={tile}")
+    return _fp8_per_tile(q, get_format(fmt), tile, axis % grid)
+
+
+def _tile_max(x: jax.Array, tile: int, axis: int, fill) -> jax.Array:
+    """Max over groups of ``tile`` consecutive entries along ``axis`` (padded with ``fill``)."""
+    n = x.shape[axis]
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, -n % tile)
+    x = jnp.pad(x, pad, constant_values=fill)
+    return jnp.max(x.reshape(*x.shape[:axis], -1, tile, *x.shape[axis + 1:]), axis=axis + 1)
+
+
+def _per_token(x: jax.Array, tile: int, axis: int, n: int) -> jax.Array:
+    return jnp.take(jnp.repeat(x, tile, axis=axis), jnp.arange(n), axis=axis)
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _fp8_per_tile(q: Quantized, f: Format, tile: int, axis: int) -> tuple[jax.Array, jax.Array]:
+    codes = unpack_nibbles(q.codes) if f.packed else q.codes
+    e = _blocks(_element_values(codes, f), f.block)  # [..., NB, block]
+    n = codes.shape[axis]
+    if f.scale == "e8m0":
+        finite = q.scales != 255
+        token_ok = jnp.all(finite, axis=-1)
+        x_b = q.scales.astype(jnp.int32) - 127
+        t = jnp.maximum(jnp.max(x_b, axis=-1) + f.emax - 8, -126)
+        t_tile = _tile_max(jnp.where(token_ok, t, -126), tile, axis, -126)
+        shift = jnp.maximum(x_b - _per_token(t_tile, tile, axis, n)[..., None], -126)
+        values = round_to_element(e * _pow2(shift)[..., None], _E4M3)
+        scale = _pow2(t_tile)
+    else:
+        finite = q.scales != 0x7F
+        token_ok = jnp.all(finite, axis=-1)
+        nonzero = token_ok & jnp.any(q.scales != 0, axis=-1)
+        s2_max = _tile_max(jnp.where(nonzero, q.token_scale, 0.0), tile, axis, 0.0)
+        s2_max = jnp.where(s2_max == 0, 1.0, s2_max)
+        ratio = div_rn(q.token_scale, _per_token(s2_max, tile, axis, n))
+        sb = _element_values(q.scales, _E4M3)
+        values = round_to_element((e * (jnp.where(finite, sb, 0.0) * 0.125)[..., None]) * ratio[..., None, None],
+                                  _E4M3)
+        scale = s2_max * 8.0
+    values = jnp.where(token_ok[..., None, None], values, jnp.nan)
+    return values.reshape(*values.shape[:-2], -1), scale
 
 
 def fp8_per_channel(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:

@@ -81,16 +81,17 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
     has_lo = not attn.all_high(q_len, kv_len, q_offset, config.diag_tiles)
     copies = dict(codes=any(native), fp8=not all(native), write_lo=has_lo)
 
-    def dual(x, shift, fold, smooth):
+    def dual(x, shift, fold, smooth, per_tile):
         return jt.triton_call(
             x, shift, np.float32(fold), x.shape[1], x.shape[2], kernel=quant._dual_quantize_kernel,
-            out_shape=[_sds(s, d) for s, d in quant.quantize_outputs(x.shape, high, low, **copies)],
-            grid=quant.quantize_grid(x.shape), num_warps=quant.QUANTIZE_WARPS,
-            **quant.quantize_meta(dim, high, low, smooth, **copies),
+            out_shape=[_sds(s, d) for s, d in quant.quantize_outputs(x.shape, high, low, **copies, per_tile=per_tile)],
+            grid=quant.quantize_grid(x.shape, per_tile=per_tile), num_warps=quant.QUANTIZE_WARPS,
+            **quant.quantize_meta(dim, high, low, smooth, **copies, per_tile=per_tile),
         )
 
-    q8 = dual(q, q, softmax_fold(config.softmax_scale(dim)), False)
-    k8 = dual(k, mean, 1.0, config.smooth_k)
+    q8 = dual(q, q, softmax_fold(config.softmax_scale(dim)), False, False)
+    # K's FP8 copies carry one scale per 128-key tile (formats.fp8_per_tile).
+    k8 = dual(k, mean, 1.0, config.smooth_k, copies["fp8"])
     pv_fp8 = config.pv == "fp8"
     vt = v_scale = v
     if pv_fp8:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import DMAConfig
-from .formats import FORMATS, dequantize, fp8_per_channel, fp8_per_token, quantize, round_to_element
+from .formats import FORMATS, dequantize, fp8_per_channel, fp8_per_tile, fp8_per_token, quantize, round_to_element
 from .validation import check_attention_inputs, resolve_q_offset
 
 __all__ = ["reference_attention", "exact_attention", "pair_is_high", "high_pair_fraction"]
@@ -140,7 +140,11 @@ def _attend(
 OPERANDS = ("exact", "fp8")
 
 
-def _dequantized(x: jax.Array, fmt: str, operands: str) -> jax.Array:
+def _dequantized(x: jax.Array, fmt: str, operands: str, key_tile: int | None = None) -> jax.Array:
+    """Q (``key_tile=None``) or K ``[B, L, H, D]`` as the kernel's Q·Kᵀ sees it."""
+    if operands == "fp8" and key_tile:
+        values, scale = fp8_per_tile(quantize(x, fmt), fmt, key_tile, axis=1)
+        return values * jnp.repeat(scale, key_tile, axis=1)[:, : x.shape[1], :, None]
     if operands == "fp8":
         values, token = fp8_per_token(quantize(x, fmt), fmt)
         return values * token[..., None]
@@ -159,8 +163,9 @@ def dma_reference(
 ) -> jax.Array:
     """DMA on validated inputs with a resolved ``q_offset`` (the primitive's body).
 
-    ``operands="fp8"`` computes Q·Kᵀ from the per-token FP8 copies that the sm_90
-    kernel reads (``formats.fp8_per_token``) instead of the exact MX values.
+    ``operands="fp8"`` computes Q·Kᵀ from the FP8 copies that the sm_90 kernel
+    reads (Q ``formats.fp8_per_token``, K ``formats.fp8_per_tile``) instead of the
+    exact MX values.
     """
     if operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}; got {operands!r}")
@@ -172,12 +177,13 @@ def dma_reference(
     q32 = q.astype(jnp.float32) * fold
 
     uniform = _uniform_precision(config, causal, q_len, kv_len, q_offset)
+    tile = config.tile_size
     if uniform is None:
-        q_hi, k_hi = _dequantized(q32, config.high, operands), _dequantized(k32, config.high, operands)
-        q_lo, k_lo = _dequantized(q32, config.low, operands), _dequantized(k32, config.low, operands)
+        q_hi, k_hi = _dequantized(q32, config.high, operands), _dequantized(k32, config.high, operands, tile)
+        q_lo, k_lo = _dequantized(q32, config.low, operands), _dequantized(k32, config.low, operands, tile)
     else:
         fmt = config.high if uniform == "high" else config.low
-        q_hi, k_hi = _dequantized(q32, fmt, operands), _dequantized(k32, fmt, operands)
+        q_hi, k_hi = _dequantized(q32, fmt, operands), _dequantized(k32, fmt, operands, tile)
         q_lo = k_lo = None
 
     def high_fn(q_pos, k_pos):
@@ -212,8 +218,9 @@ def reference_attention(
       config: :class:`DMAConfig` (default ``DMAConfig()``).
       q_offset: absolute position of query row 0; default ``kv_len - q_len``.
       operands: ``"exact"`` (DESIGN.md §3.4: the MX values themselves) or ``"fp8"``
-        (the per-token E4M3 copies that Hopper's tensor cores read; exact for MX
-        formats except E4M3 subnormals, within 2^-4 per element for NVFP4).
+        (the E4M3 copies that Hopper's tensor cores read, Q with a scale per token
+        and K per 128-key tile; exact for MX formats except E4M3 subnormals, within
+        2^-4 per element for NVFP4).
 
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in the input dtype.

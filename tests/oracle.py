@@ -107,6 +107,42 @@ def fp8_per_token(x, fmt):
     return vals, scale
 
 
+def fp8_per_tile(x, fmt, tile=128):
+    """(float64 E4M3 values, float64 scales [B, ceil(L / tile), H]) of K's per-tile FP8
+    copy for x [B, L, H, D]: the largest per-token scale of the tile's finite (for
+    NVFP4 also non-zero) tokens, every value re-rounded to E4M3 against it."""
+    codes, scales, token, deq = quantize(x, fmt)
+    _, tok_scale = fp8_per_token(x, fmt)
+    b, n, h, d = deq.shape
+    finite = np.isfinite(tok_scale)
+
+    def tile_max(key, fill):
+        padded = np.concatenate([key, np.full((b, -n % tile, h), fill)], axis=1)
+        return padded.reshape(b, -1, tile, h).max(2)
+
+    def per_token(t):
+        return np.repeat(t, tile, axis=1)[:, :n]
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        if fmt != "nvfp4":
+            tile_scale = tile_max(np.where(finite, tok_scale, 2.0**-126), 2.0**-126)
+            vals = _e4m3(deq / per_token(tile_scale)[..., None])
+        else:
+            nonzero = finite & (scales != 0).any(-1)
+            s2_max = tile_max(np.where(nonzero, token.astype(np.float64), 0), 0.0)
+            s2_max = np.where(s2_max == 0, 1.0, s2_max)
+            tile_scale = s2_max * 8
+            ratio = (token / per_token(s2_max).astype(np.float32)).astype(np.float32)
+            block = ELEMENT[fmt][3]
+            nib = np.stack([codes & 0xF, codes >> 4], -1).reshape(b, n, h, d)
+            elem = nib.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+            sb = np.where(scales != 0x7F, scales.view(ml_dtypes.float8_e4m3fn).astype(np.float64), 0)
+            eighth = (elem.reshape(b, n, h, -1, block) * sb[..., None] / 8).astype(np.float32)
+            vals = _e4m3((eighth * ratio[..., None, None]).astype(np.float32)).reshape(b, n, h, d)
+        vals = np.where(finite[..., None], vals, np.nan)
+    return vals, tile_scale
+
+
 def fp8_per_channel(x, axis):
     """(float64 E4M3 values, power-of-two scales) with the amax along ``axis``."""
     x = _flush(x).astype(np.float64)
@@ -131,7 +167,7 @@ def dma_attention(q, k, v, *, causal=True, diag=1, sink=1, high="mxfp8_e4m3",
                   p_dtype=None, operands="exact", pv="input"):
     """Float64 DMA per DESIGN.md §3.2-3.4; ``diag=None`` means exact (no quantization).
 
-    ``operands="fp8"``: Q·Kᵀ from the per-token FP8 copies. ``pv="fp8"``: P·2^8 and V
+    ``operands="fp8"``: Q·Kᵀ from the FP8 copies (Q per token, K per 128-key tile). ``pv="fp8"``: P·2^8 and V
     (per-channel scale) rounded to E4M3."""
     q32, k32, v64 = (np.asarray(a, np.float32) for a in (q, k, v))
     v64 = v64.astype(np.float64)
@@ -151,7 +187,10 @@ def dma_attention(q, k, v, *, causal=True, diag=1, sink=1, high="mxfp8_e4m3",
         parts = {}
         for fmt in (high, low):
             if operands == "fp8":
-                dq, dk = (vals * scale[..., None] for vals, scale in (fp8_per_token(qs, fmt), fp8_per_token(k32, fmt)))
+                vals, scale = fp8_per_token(qs, fmt)
+                dq = vals * scale[..., None]
+                vals, scale = fp8_per_tile(k32, fmt)
+                dk = vals * np.repeat(scale, 128, axis=1)[:, :lk, :, None]
             else:
                 dq, dk = quantize(qs, fmt)[3], quantize(k32, fmt)[3]
             parts[fmt] = np.einsum("bqhgd,bkhd->bhgqk", dq.reshape(b, lq, hkv, g, d), dk)

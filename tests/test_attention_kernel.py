@@ -171,7 +171,7 @@ def test_launch_shapes(block_m, block_n):
     cfg = DMAConfig(diag_tiles=2)
     launch = LaunchConfig(block_m, block_n, 4, 2)
     q8 = dual_quantize(q.to(DEVICE), fold=softmax_fold(64**-0.5), codes=False, fp8=True)
-    k8 = dual_quantize(k.to(DEVICE), mean=channel_mean(k.to(DEVICE)), codes=False, fp8=True)
+    k8 = dual_quantize(k.to(DEVICE), mean=channel_mean(k.to(DEVICE)), codes=False, fp8=True, per_tile=True)
     for causal, offset in ((True, 0), (False, 0), (False, -70)):
         out = mx_attention(q8, k8, v.to(DEVICE), q_len=300, causal=causal, q_offset=offset, diag=2, sink=1,
                            high=cfg.high, low=cfg.low, native=(False, False), launch=launch).float().cpu().numpy()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from dma_jax import FORMATS, dequantize, quantize
-from dma_jax.formats import fp8_per_channel, fp8_per_token, get_format, pack_nibbles, unpack_nibbles
+from dma_jax.formats import fp8_per_channel, fp8_per_tile, fp8_per_token, get_format, pack_nibbles, unpack_nibbles
 
 import oracle
 
@@ -250,6 +250,54 @@ def test_fp8_per_token_copy_is_exact_for_mx_and_bounded_for_nvfp4(fmt):
         assert (got != deq).any()  # the bound is needed: some products are inexact
     else:
         np.testing.assert_array_equal(got[normal], deq[normal])
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_fp8_per_tile_copy_matches_oracle(fmt):
+    """K's copy with one scale per 128 tokens, bit for bit against the numpy oracle:
+    a short last tile, tokens 2^±12 apart, a zero token and a tile of zeros (NVFP4's
+    s2 = 1 for zero tokens must not become the tile's scale), tiny tokens, NaN and Inf
+    tokens (NaN values, the tile's scale from the finite ones)."""
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((2, 300, 3, 64)).astype(np.float32)
+    x *= np.exp2(rng.integers(-12, 12, (2, 300, 3, 1))).astype(np.float32)
+    x[0, 3] = 0.0
+    x[1, 128:256, 2] = 0.0
+    x[0, 140, 1] *= 1e-36
+    x[0, 7, 0, 3] = np.nan
+    x[1, 290, 1, 60] = -np.inf
+    want_vals, want_scale = oracle.fp8_per_tile(x, fmt)
+    vals, scale = fp8_per_tile(quantize(jnp.asarray(x), fmt), fmt)
+    np.testing.assert_array_equal(np.asarray(vals, np.float64), want_vals)
+    np.testing.assert_array_equal(np.asarray(scale, np.float64), want_scale)
+    assert scale.shape == (2, 3, 3) and np.isnan(vals[0, 7, 0]).all() and np.isfinite(scale).all()
+    # The same along another axis of the token grid.
+    got_t, scale_t = fp8_per_tile(quantize(jnp.asarray(x.transpose(1, 0, 2, 3)), fmt), fmt, axis=0)
+    np.testing.assert_array_equal(np.asarray(got_t).transpose(1, 0, 2, 3), np.asarray(vals))
+    np.testing.assert_array_equal(np.asarray(scale_t).transpose(1, 0, 2), np.asarray(scale))
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_fp8_per_tile_copy_is_exact_for_mx_and_bounded_for_nvfp4(fmt):
+    """Tokens of one magnitude: MX values shift exactly into the tile's power-of-two
+    scale wherever they stay in E4M3's normal range; NVFP4 moves by at most 2^-4."""
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((1, 256, 2, 128)).astype(np.float32)
+    deq = np.asarray(dequantize(quantize(jnp.asarray(x), fmt), fmt), np.float64)
+    vals, scale = oracle.fp8_per_tile(x, fmt)
+    got = vals * np.repeat(scale, 128, axis=1)[..., None]
+    normal = np.abs(deq) >= 2.0**-6 * np.repeat(scale, 128, axis=1)[..., None]
+    assert normal.mean() > 0.9
+    if fmt == "nvfp4":
+        assert (np.abs(got - deq)[normal] <= 2.0**-4 * np.abs(deq)[normal]).all()
+    else:
+        np.testing.assert_array_equal(got[normal], deq[normal])
+
+
+def test_fp8_per_tile_rejects_a_bad_axis():
+    q = quantize(jnp.ones((2, 8, 64)), "mxfp4")
+    with pytest.raises(ValueError, match="axis must index the token grid"):
+        fp8_per_tile(q, "mxfp4", axis=2)
 
 
 def test_fp8_per_channel_matches_oracle():

@@ -70,7 +70,11 @@ def test_fp8_copies_benchmark_tiny(tmp_path, capsys):
     fp8_copies = load("fp8_copies")
     fp8_copies.main(["--seq", "64", "--no-model", "--out", str(tmp_path)])
     (result,) = json.loads((tmp_path / "fp8_copies_cpu.json").read_text())["results"].values()
-    assert result["mxfp4"]["changed_fraction"] == 0.0  # MXFP4 re-expresses exactly
-    assert 0.0 < result["nvfp4"]["changed_fraction"] < 1.0
-    assert result["nvfp4"]["max_rel_change"] <= 2.0**-4  # the documented bound
+    for copy in ("Q per token", "K per tile (kernel)", "K per token"):
+        assert result["mxfp4"][copy]["changed_fraction"] == 0.0  # MXFP4 re-expresses exactly
+        assert 0.0 < result["nvfp4"][copy]["changed_fraction"] <= 1.0
+        assert result["nvfp4"][copy]["max_rel_change"] <= 2.0**-4  # the documented bound
+    # One scale for 128 NVFP4 tokens re-rounds more elements than one per token.
+    k_tile, k_token = result["nvfp4"]["K per tile (kernel)"], result["nvfp4"]["K per token"]
+    assert k_tile["changed_fraction"] > k_token["changed_fraction"]
     assert "| inputs | format |" in capsys.readouterr().out

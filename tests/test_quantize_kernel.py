@@ -16,7 +16,7 @@ import torch
 
 from dma_jax import quantize
 from dma_jax.formats import FORMATS as JAX_FORMATS
-from dma_jax.formats import fp8_per_channel, fp8_per_token
+from dma_jax.formats import fp8_per_channel, fp8_per_tile, fp8_per_token
 from triton_kernels.quantize import FORMATS, channel_mean, dual_quantize, fp8_transpose
 
 from conftest import HAS_CUDA
@@ -101,6 +101,41 @@ def test_fp8_copies_equal_formats(high, low):
             want = np.asarray(values).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
             np.testing.assert_array_equal(f8.cpu().numpy(), want, err_msg=fmt)
             np.testing.assert_array_equal(ts.cpu().numpy(), np.asarray(scale), err_msg=fmt)
+
+
+@pytest.mark.parametrize("kind", ["smooth", "nan"])
+@pytest.mark.parametrize("high,low", [("mxfp8_e4m3", "nvfp4"), ("mxfp8_e5m2", "mxfp4")])
+def test_per_tile_fp8_copies_equal_formats(kind, high, low):
+    """K's per-tile E4M3 copies (one scale per 128 tokens) equal
+    dma_jax.formats.fp8_per_tile byte for byte: a tile ending at kv_len, tokens
+    2^±10 apart in one tile, a tile of zeros; with smooth-K, or with NaN and Inf
+    tokens (E4M3 NaN rows; smooth-K would make the whole head NaN)."""
+    x = inputs(kind if kind == "nan" else "random", (2, 300, 2, 64), seed=9)
+    x[:, :256] *= np.exp2(np.random.default_rng(9).integers(-10, 10, (2, 256, 2, 1)))
+    x[1, 128:256, 1] = 0.0
+    if kind == "smooth":
+        x += 20.0  # a bias that smooth-K removes; tokens past kv_len must not see -mean
+    xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
+    mean = channel_mean(xt) if kind == "smooth" else None
+    got = dual_quantize(xt, high=high, low=low, mean=mean, codes=False, fp8=True, per_tile=True)
+    assert got.hi_ts.shape == got.lo_ts.shape == (2, 3, 2)
+    x32 = xt.float().cpu().numpy()
+    if mean is not None:
+        x32 = (x32 - mean.cpu().numpy()[:, None]).astype(np.float32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        for fmt, f8, ts in ((high, got.hi_f8, got.hi_ts), (low, got.lo_f8, got.lo_ts)):
+            values, scale = fp8_per_tile(quantize(jnp.asarray(x32), fmt), fmt)
+            values = np.asarray(values)
+            nan_rows = np.isnan(values).any(axis=-1)
+            assert nan_rows.sum() == (3 if kind == "nan" else 0) and np.isnan(values[nan_rows]).all()
+            want = np.where(np.isnan(values), 0x7F, values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+            np.testing.assert_array_equal(f8.cpu().numpy(), want, err_msg=fmt)
+            np.testing.assert_array_equal(ts.cpu().numpy(), np.asarray(scale), err_msg=fmt)
+
+
+def test_per_tile_needs_the_fp8_copies():
+    with pytest.raises(ValueError, match="needs fp8=True"):
+        dual_quantize(torch.zeros((1, 8, 1, 64), device=DEVICE), fp8=False, per_tile=True)
 
 
 def test_write_lo_false_skips_the_low_copy():

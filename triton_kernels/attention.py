@@ -14,9 +14,10 @@ edge (masked).
 Q·Kᵀ per format:
 * ``NATIVE_HI/LO`` (sm_100+): ``tl.dot_scaled`` on the codes and scale bytes, the
   block-scaled tensor-core MMA (``tcgen05.mma ... block_scale``).
-* otherwise (sm_90, Triton's interpreter): the quantizer's per-token E4M3 copies
-  (``dma_jax.formats.fp8_per_token``) on FP8 tensor cores, both operands K-major,
-  and the scores times the two token scales. Decoding 4-bit codes inside the loop
+* otherwise (sm_90, Triton's interpreter): the quantizer's E4M3 copies on FP8
+  tensor cores, both operands K-major. Q's copy has a scale per token
+  (``dma_jax.formats.fp8_per_token``), K's one per 128-key tile
+  (``fp8_per_tile``), so each score row is scaled by one number. Decoding 4-bit codes inside the loop
   instead ran 4.3x slower on the H200 (NOTES.md).
 NVFP4's float32 per-token scales multiply the native score tile afterwards.
 
@@ -45,9 +46,9 @@ def _load_operand(codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr, rows, mask, 
     """Load a [R, D] Q or K operand of one format for rows ``rows`` (int64).
 
     Returns (operand, scale bytes, per-row factor). NATIVE: the codes and scale
-    bytes as ``tl.dot_scaled`` takes them, and NVFP4's s2 (else 1). Otherwise the
-    quantizer's per-token E4M3 copy (``dma_jax.formats.fp8_per_token``) for the FP8
-    tensor cores, with its token scale.
+    bytes as ``tl.dot_scaled`` takes them, and NVFP4's s2 (else 1). Otherwise (Q
+    only) the quantizer's per-token E4M3 copy (``dma_jax.formats.fp8_per_token``)
+    for the FP8 tensor cores, with its token scale.
     """
     if NATIVE:
         BLOCK: tl.constexpr = 16 if NV else 32
@@ -72,14 +73,15 @@ def _load_operand(codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr, rows, mask, 
 def _attend_run(
     acc, m_i, l_i, qa, qs, qt, p,
     k_codes, k_scales, k_token, k_f8, k_ts, v_ptr, vt_ptr,
-    kv_base, vt_base, Lk, HKV, lo, hi,
+    kv_base, kts_base, vt_base, Lk, HKV, lo, hi,
     D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
     FMT: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr,
     PV_FP8: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi) (multiples of BLOCK_N), all in format FMT.
 
-    ``kv_base`` (int64) is the token-grid index of (batch, key 0, kv head) and
+    ``kv_base`` (int64) is the token-grid index of (batch, key 0, kv head),
+    ``kts_base`` that of (batch, key tile 0, kv head) in K's per-tile FP8 scales, and
     ``vt_base`` the element offset of V^T[batch, kv head]. Pointer tiles are built
     once and advanced by BLOCK_N keys per step, so the loop does no 64-bit index
     arithmetic. MASK=False is for blocks that are entirely valid (inside kv_len
@@ -89,7 +91,6 @@ def _attend_run(
     offs = tl.arange(0, BLOCK_N)
     rows = (lo + offs) * HKV  # int32: the launcher checks Lk * HKV * D < 2^31
     k_ptrs = k_f8 + kv_base * D + rows[:, None] * D + cols[None, :]
-    kt_ptrs = k_ts + kv_base + rows
     v_ptrs = v_ptr + kv_base * D + rows[:, None] * D + cols[None, :]
     # V^T rows are padded to a multiple of 16 bytes; saying so lets loads vectorize
     # also where Lk is not specialised (jax-triton passes it as a plain int).
@@ -105,13 +106,15 @@ def _attend_run(
         else:
             if MASK:
                 ka = tl.load(k_ptrs, mask=t_ok[:, None], other=0)
-                kt = tl.load(kt_ptrs, mask=t_ok, other=1.0)
             else:
                 ka = tl.load(k_ptrs)
-                kt = tl.load(kt_ptrs)
             # FP8 x FP8 with both operands K-major (D contiguous); fp32 result.
             s = tl.dot(qa, tl.trans(ka.to(tl.float8e4nv, bitcast=True)), out_dtype=tl.float32)
-        if NV or not NATIVE:
+            # K's copy has one scale per key tile (BLOCK_N divides TILE): with Q's
+            # token scale it is a row factor. A per-key factor would cost a vector
+            # in the score layout, which pushed the loop into register spills.
+            s = s * (qt * tl.load(k_ts + kts_base + (n0 // _TILE) * HKV))[:, None]
+        if NATIVE and NV:
             s = (s * qt[:, None]) * kt[None, :]
         if MASK:
             valid = t_ok[None, :]
@@ -162,7 +165,6 @@ def _attend_run(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
         k_ptrs += BLOCK_N * HKV * D
-        kt_ptrs += BLOCK_N * HKV
         v_ptrs += BLOCK_N * HKV * D
         vt_ptrs += BLOCK_N
     return acc, m_i, l_i
@@ -172,7 +174,7 @@ def _attend_run(
 def _attend_keys(
     acc, m_i, l_i, qa, qs, qt, p,
     k_codes, k_scales, k_token, k_f8, k_ts, v_ptr, vt_ptr,
-    kv_base, vt_base, Lk, HKV, lo, hi, safe,
+    kv_base, kts_base, vt_base, Lk, HKV, lo, hi, safe,
     D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     FMT: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr,
     PV_FP8: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
@@ -181,10 +183,10 @@ def _attend_keys(
     the rest masked."""
     split = tl.minimum(tl.maximum(lo, safe), hi)
     acc, m_i, l_i = _attend_run(acc, m_i, l_i, qa, qs, qt, p, k_codes, k_scales, k_token, k_f8, k_ts,
-                                v_ptr, vt_ptr, kv_base, vt_base, Lk, HKV, lo, split,
+                                v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, lo, split,
                                 D, BLOCK_N, CAUSAL, False, FMT, NV, NATIVE, PV_FP8, PV_F32, FIX_BF16)
     return _attend_run(acc, m_i, l_i, qa, qs, qt, p, k_codes, k_scales, k_token, k_f8, k_ts,
-                       v_ptr, vt_ptr, kv_base, vt_base, Lk, HKV, split, hi,
+                       v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, split, hi,
                        D, BLOCK_N, CAUSAL, True, FMT, NV, NATIVE, PV_FP8, PV_F32, FIX_BF16)
 
 
@@ -224,6 +226,7 @@ def _dma_attention_kernel(
                                          "e2m1", LO_NV, NATIVE_LO)
 
     kv_base = (b.to(tl.int64) * Lk) * HKV + kvh
+    kts_base = (b * tl.cdiv(Lk, _TILE)) * HKV + kvh
     vt_base = ((b * HKV + kvh).to(tl.int64) * D) * (tl.cdiv(Lk, 16) * 16)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -247,18 +250,18 @@ def _dma_attention_kernel(
     k2 = tl.minimum(b2 * _TILE, kend)
     k3 = tl.minimum(b3 * _TILE, kend)
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, qh_a, qh_s, qh_t, p, kh_codes, kh_scales, kl_token, kh_f8, kh_ts,
-                                 v_ptr, vt_ptr, kv_base, vt_base, Lk, HKV, 0, k1, safe, D, BLOCK_N, CAUSAL,
+                                 v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, 0, k1, safe, D, BLOCK_N, CAUSAL,
                                  HI_FMT, False, NATIVE_HI, PV_FP8, PV_F32, FIX_BF16)
     if HAS_LO:
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, ql_a, ql_s, ql_t, p, kl_codes, kl_scales, kl_token, kl_f8,
-                                     kl_ts, v_ptr, vt_ptr, kv_base, vt_base, Lk, HKV, k1, k2, safe, D, BLOCK_N, CAUSAL,
+                                     kl_ts, v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k1, k2, safe, D, BLOCK_N, CAUSAL,
                                      "e2m1", LO_NV, NATIVE_LO, PV_FP8, PV_F32, FIX_BF16)
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, qh_a, qh_s, qh_t, p, kh_codes, kh_scales, kl_token, kh_f8, kh_ts,
-                                 v_ptr, vt_ptr, kv_base, vt_base, Lk, HKV, k2, k3, safe, D, BLOCK_N, CAUSAL,
+                                 v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k2, k3, safe, D, BLOCK_N, CAUSAL,
                                  HI_FMT, False, NATIVE_HI, PV_FP8, PV_F32, FIX_BF16)
     if HAS_LO and not CAUSAL:
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, ql_a, ql_s, ql_t, p, kl_codes, kl_scales, kl_token, kl_f8,
-                                     kl_ts, v_ptr, vt_ptr, kv_base, vt_base, Lk, HKV, k3, kend, safe, D, BLOCK_N, CAUSAL,
+                                     kl_ts, v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k3, kend, safe, D, BLOCK_N, CAUSAL,
                                      "e2m1", LO_NV, NATIVE_LO, PV_FP8, PV_F32, FIX_BF16)
     cols = tl.arange(0, D)
     if PV_FP8:
@@ -299,21 +302,22 @@ class LaunchConfig:
 
 # Launch settings per GPU generation and (head_dim, causal, FP8 P·V). sm_90: from
 # ``benchmarks/tune_attention.py`` and ``benchmarks/profile_attention.py`` on the H200
-# (NOTES.md has the sweeps): 64 query rows and 4 warps per program beat 128 rows and
-# 8 warps (255 registers per thread either way; 128 rows spill). At head_dim 128 with
-# a bf16 V, 64-key steps and 3 stages leave no spills and beat 128-key steps.
+# (NOTES.md has the sweeps). Since K's FP8 scale is one number per key tile, a bf16-V
+# program fits 128 rows x 128 keys in 8 warps without spills (501 TFLOP/s at 8k vs
+# 437 for 64 x 64 in 4 warps); the FP8 P·V holds more registers and keeps 64 rows.
+# At head_dim 64, 64 x 64 blocks in 4 warps are best for every case.
 # Everything else, sm_100 included, takes 128 rows and 8 warps: tcgen05's
 # block-scaled MMA needs 128-row tiles (a CPU test checks the sm_100 PTX).
 DEFAULT_LAUNCH = LaunchConfig(128, 64, 8, 2)
 LAUNCH_SM90 = {
-    (128, False, False): LaunchConfig(64, 64, 4, 3),
-    (128, True, False): LaunchConfig(64, 64, 4, 3),
+    (128, False, False): LaunchConfig(128, 128, 8, 3),
+    (128, True, False): LaunchConfig(128, 128, 8, 3),
     (128, False, True): LaunchConfig(64, 128, 4, 3),
     (128, True, True): LaunchConfig(64, 128, 4, 3),
-    (64, False, False): LaunchConfig(64, 128, 4, 3),
-    (64, True, False): LaunchConfig(64, 128, 4, 3),
-    (64, False, True): LaunchConfig(64, 128, 4, 3),
-    (64, True, True): LaunchConfig(64, 128, 4, 3),
+    (64, False, False): LaunchConfig(64, 64, 4, 3),
+    (64, True, False): LaunchConfig(64, 64, 4, 3),
+    (64, False, True): LaunchConfig(64, 64, 4, 3),
+    (64, True, True): LaunchConfig(64, 64, 4, 3),
 }
 SM90_FALLBACK = LaunchConfig(64, 128, 4, 3)
 
@@ -383,12 +387,15 @@ def mx_attention(
 ) -> torch.Tensor:
     """Launch the kernel on ``DualQuantized`` Q and K and V ``[B, Lk, HKV, D]``.
 
-    Tiles not in ``native`` read the FP8 copies, which must have been written;
-    ``has_lo=False`` (all pairs high) means the low copies were not.
+    Tiles not in ``native`` read the FP8 copies, which must have been written (K's
+    with ``per_tile=True``); ``has_lo=False`` (all pairs high) means the low copies were not.
     ``vt`` / ``v_scale`` (from ``quantize.fp8_transpose``) select the FP8 P·V.
     """
     b, kv_len, hkv, d = v.shape
     check_extent(kv_len, hkv, d)
+    if k8.hi_ts is not None and k8.hi_ts.shape[1] != triton.cdiv(kv_len, TILE):
+        raise ValueError(f"K's FP8 copies need one scale per {TILE}-key tile (dual_quantize(..., per_tile=True)); "
+                         f"got scales of shape {tuple(k8.hi_ts.shape)} for kv_len {kv_len}")
     hq = q8.hi_ts.shape[2] if q8.hi_ts is not None else q8.hi_codes.shape[2]
     pv_fp8 = vt is not None
     capability = torch.cuda.get_device_capability(v.device) if v.is_cuda else None

@@ -36,7 +36,7 @@ def dma_attention(
     copies = dict(high=high, low=low, codes=any(tiles), fp8=not all(tiles), write_lo=has_lo)
     mean = channel_mean(k) if smooth_k else None
     q8 = dual_quantize(q, fold=softmax_fold(sm_scale), **copies)
-    k8 = dual_quantize(k, mean=mean, **copies)
+    k8 = dual_quantize(k, mean=mean, per_tile=copies["fp8"], **copies)
     vt, v_scale = fp8_transpose(v) if pv == "fp8" else (None, None)
     return mx_attention(q8, k8, v, q_len=q.shape[1], causal=causal, q_offset=q_offset,
                         diag=diag_tiles, sink=sink_tiles, high=high, low=low, native=tiles,

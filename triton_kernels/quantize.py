@@ -1,9 +1,11 @@
 """Fused dual quantization of Q or K into a high (MXFP8) and a low (NVFP4/MXFP4) copy.
 
-One program quantizes ``BLOCK_T`` tokens of one (batch, head): it reads the
-bf16/fp16 tile once, optionally subtracts K's per-channel mean (smooth-K) and
-multiplies by the folded softmax scale (Q), then writes both copies with their
-scale bytes and, for NVFP4, the float32 per-token scale. The numerics are those
+One program quantizes ``BLOCK_T`` tokens of one (batch, head) at a time: it
+reads the bf16/fp16 tile once, optionally subtracts K's per-channel mean
+(smooth-K) and multiplies by the folded softmax scale (Q), then writes both
+copies with their scale bytes and, for NVFP4, the float32 per-token scale. For
+sm_90 it writes E4M3 copies instead; K's share one scale per 128-key tile, so a
+K program covers a whole tile and reads it twice (the scale first). The numerics are those
 of ``dma_jax.formats`` (DESIGN.md §3.1) bit for bit: element rounding is done
 with integer bit manipulation and a round-half-even trick, divisions with
 ``div_rn``, never with float8 casts of unrepresentable values.
@@ -22,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import TILE
 from .mx import abs_max, element_code, exponent, flush_subnormals, pow2, round_to_element
 
 # Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
@@ -35,43 +38,71 @@ FORMATS = {
 
 
 @triton.jit
-def _fp8_copy(r, block_exp, sb, s2, finite, EMAX: tl.constexpr, NVFP4: tl.constexpr):
-    """The per-token E4M3 copy of one quantized [T, NB, BLOCK] tile (as float32) and
-    its float32 token scale, as ``dma_jax.formats.fp8_per_token`` defines them.
+def _token_reference(x, EMAX: tl.constexpr, NVFP4: tl.constexpr):
+    """Per token of a [T, D] tile: the scale that ``_fp8_copy`` would give the token
+    alone (MX: ``2^T``; NVFP4: the raw ``s2``, 0 for an all-zero token), or the
+    smallest candidate (MX ``2^-126``, NVFP4 0) for a token with NaN or Inf.
+    Only the token amax is needed: the largest block exponent is the exponent of
+    the token's largest element."""
+    amax = abs_max(x, 1)
+    finite = amax < float("inf")  # False for Inf and NaN
+    if NVFP4:
+        ref = flush_subnormals(tl.math.div_rn(tl.where(finite, amax, 0.0), tl.full(amax.shape, 2688.0, tl.float32)))
+    else:
+        top = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
+        ref = pow2(tl.maximum(top + EMAX - 8, -126))
+    return ref
+
+
+@triton.jit
+def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4: tl.constexpr,
+              PER_TILE: tl.constexpr):
+    """The E4M3 copy of one quantized [T, NB, BLOCK] tile (as float32), its scale
+    (float32 per token; unused when PER_TILE) and which tokens are finite, as
+    ``dma_jax.formats.fp8_per_token`` / ``fp8_per_tile`` define them.
 
     MX blocks shift their power-of-two block exponent into the elements, relative to
-    ``2^T`` with ``T = max_b X_b + EMAX - 8``: exact unless an element drops into
-    E4M3's subnormals. NVFP4 rounds ``e · sb / 8`` to E4M3 (within 2^-4) and keeps
-    ``8 · s2`` per token.
+    ``2^T`` (per token ``T = max_b X_b + EMAX - 8``, per tile the tile's largest):
+    exact unless an element drops into E4M3's subnormals. NVFP4 rounds
+    ``e · sb / 8`` (per tile times ``s2 / s2_max``) to E4M3, within 2^-4.
+    ``tile_ref``: the tile's ``2^T`` (MX) or ``s2_max`` (NVFP4) when PER_TILE.
     """
     token_ok = tl.min(finite.to(tl.int32), axis=1) > 0
     if NVFP4:
-        values = round_to_element(r * (sb * 0.125)[:, :, None], 3, -6, 448.0)
+        values = r * (sb * 0.125)[:, :, None]
+        if PER_TILE:
+            ratio = tl.math.div_rn(s2, tl.full(s2.shape, 1.0, tl.float32) * tile_ref)
+            values = values * ratio[:, None, None]
+        values = round_to_element(values, 3, -6, 448.0)
         token = s2 * 8.0
     else:
-        top = tl.max(tl.where(finite, block_exp, -127), axis=1)
-        t = tl.maximum(top + EMAX - 8, -126)
-        shift = tl.maximum(block_exp - t[:, None], -126)
+        if PER_TILE:
+            t = exponent(tile_ref)
+            shift = tl.maximum(block_exp - t, -126)
+        else:
+            t = tl.maximum(tl.max(tl.where(finite, block_exp, -127), axis=1) + EMAX - 8, -126)
+            shift = tl.maximum(block_exp - t[:, None], -126)
         values = round_to_element(r * pow2(shift)[:, :, None], 3, -6, 448.0)
         token = pow2(t)
     values = tl.where(finite[:, :, None], values, 0.0)
-    return values, tl.where(token_ok, token, float("nan"))
+    return values, tl.where(token_ok, token, float("nan")), token_ok
 
 
 @triton.jit
 def _quantize_tile(
-    x, rows, cols, mask,
+    x, rows, cols, mask, tile_ref,
     codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr,
     EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
     MAX_VALUE: tl.constexpr, BLOCK: tl.constexpr, NVFP4: tl.constexpr,
     BLOCK_T: tl.constexpr, D: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_FP8: tl.constexpr,
+    PER_TILE: tl.constexpr,
 ):
     """Quantize a [BLOCK_T, D] float32 tile into one format and store it.
 
     rows: token indices into the flattened [tokens] outputs; cols: arange(D).
     WRITE_CODES stores the codes and scale bytes (what ``tl.dot_scaled`` reads on
-    sm_100); WRITE_FP8 stores the per-token E4M3 copy and its scale (what the FP8
-    tensor cores of sm_90 read).
+    sm_100); WRITE_FP8 stores the E4M3 copy (what the FP8 tensor cores of sm_90
+    read) and, unless PER_TILE (the caller stores the tile's scale), its token scales.
     """
     NB: tl.constexpr = D // BLOCK
     xb = tl.reshape(x, (BLOCK_T, NB, BLOCK))
@@ -108,10 +139,15 @@ def _quantize_tile(
         s2 = amax
     r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
     if WRITE_FP8:
-        values, token = _fp8_copy(r, block_exp, sb, s2, finite, EMAX, NVFP4)
+        values, token, token_ok = _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE)
         f8 = tl.reshape(element_code(values, 4, 3, -6), (BLOCK_T, D))
+        if PER_TILE:
+            # The scale is shared by the tile: a non-finite token is E4M3 NaN (0x7F)
+            # itself, so only that key's scores become NaN.
+            f8 = tl.where(token_ok[:, None], f8, 0x7F)
+        else:
+            tl.store(ts_ptr + rows, token, mask=mask)
         tl.store(f8_ptr + rows[:, None] * D + cols[None, :], f8.to(tl.uint8), mask=mask[:, None])
-        tl.store(ts_ptr + rows, token, mask=mask)
     if WRITE_CODES:
         codes = tl.reshape(element_code(r, EXP_BITS, MAN_BITS, EMIN), (BLOCK_T, D))
         sblk = tl.arange(0, NB)
@@ -127,6 +163,20 @@ def _quantize_tile(
 
 
 @triton.jit
+def _prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
+    """Tokens ``t`` of x[b, :, h] as float32 [T, D] (zeros past L), minus K's channel
+    mean (smooth-K), times ``fold`` (Q's softmax scale), subnormals flushed."""
+    cols = tl.arange(0, D)
+    rows = (b * L + t) * H + h
+    mask = (t < L)[:, None]
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if SMOOTH:
+        # Tokens past L stay zero: they must not count in a tile's largest scale.
+        x = tl.where(mask, x - tl.load(mean_ptr + (b * H + h) * D + cols)[None, :], 0.0)
+    return flush_subnormals(x * fold)
+
+
+@triton.jit
 def _dual_quantize_kernel(
     x_ptr, mean_ptr, fold, L, H,
     hi_codes, hi_scales, lo_codes, lo_scales, lo_token, hi_f8, hi_ts, lo_f8, lo_ts,
@@ -136,26 +186,51 @@ def _dual_quantize_kernel(
     HI_MAX: tl.constexpr, HI_BLOCK: tl.constexpr,
     LO_E: tl.constexpr, LO_M: tl.constexpr, LO_EMIN: tl.constexpr, LO_EMAX: tl.constexpr,
     LO_MAX: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NVFP4: tl.constexpr,
+    TILE_T: tl.constexpr, PER_TILE: tl.constexpr,
 ):
-    """One program per (BLOCK_T tokens, head, batch) of x [B, L, H, D] (contiguous).
+    """One program per (TILE_T tokens, head, batch) of x [B, L, H, D] (contiguous),
+    quantized BLOCK_T tokens at a time.
 
-    WRITE_LO=False skips the low copy (every pair is high precision)."""
+    PER_TILE (K on sm_90): the FP8 copies get one scale per TILE_T tokens (the
+    attention tile), written to ``*_ts`` as [B, cdiv(L, TILE_T), H]; a first pass
+    over the tile finds it. WRITE_LO=False skips the low copy (every pair is high
+    precision)."""
     pid_t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, D)
-    mask = t < L
-    # Flattened token index in [B, L, H] order: outputs are [B, L, H, ...].
-    rows = (b * L + t) * H + h
-    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
-    if SMOOTH:
-        x = x - tl.load(mean_ptr + (b * H + h) * D + cols)[None, :]
-    x = x * fold
-    x = flush_subnormals(x)
-    _quantize_tile(x, rows, cols, mask, hi_codes, hi_scales, lo_token, hi_f8, hi_ts,
-                   HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D, WRITE_CODES, WRITE_FP8)
-    if WRITE_LO:
-        _quantize_tile(x, rows, cols, mask, lo_codes, lo_scales, lo_token, lo_f8, lo_ts,
-                       LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, BLOCK_T, D, WRITE_CODES, WRITE_FP8)
+    # Tile references (the largest token scale; see _token_reference). MX's is at
+    # least 2^-126, every token's floor; NVFP4's is 0 while no token is non-zero.
+    hi_ref = 1.0
+    lo_ref = 1.0
+    if PER_TILE:
+        hi_ref = tl.full((), 0.0, tl.float32)
+        lo_ref = tl.full((), 0.0, tl.float32)
+        for c in range(0, TILE_T, BLOCK_T):
+            t = pid_t * TILE_T + c + tl.arange(0, BLOCK_T)
+            x = _prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D, SMOOTH)
+            hi_ref = tl.maximum(hi_ref, tl.max(_token_reference(x, HI_EMAX, False)))
+            lo_ref = tl.maximum(lo_ref, tl.max(_token_reference(x, LO_EMAX, LO_NVFP4)))
+        tile = (b * tl.cdiv(L, TILE_T) + pid_t) * H + h
+        tl.store(hi_ts + tile, hi_ref)
+        if WRITE_LO:
+            if LO_NVFP4:
+                # A tile of zero (or non-finite) tokens takes s2 = 1, as a zero token does.
+                lo_ref = tl.where(lo_ref == 0, 1.0, lo_ref)
+                tl.store(lo_ts + tile, lo_ref * 8.0)
+            else:
+                tl.store(lo_ts + tile, lo_ref)
+    for c in range(0, TILE_T, BLOCK_T):
+        t = pid_t * TILE_T + c + tl.arange(0, BLOCK_T)
+        mask = t < L
+        # Flattened token index in [B, L, H] order: outputs are [B, L, H, ...].
+        rows = (b * L + t) * H + h
+        x = _prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D, SMOOTH)
+        _quantize_tile(x, rows, cols, mask, hi_ref, hi_codes, hi_scales, lo_token, hi_f8, hi_ts,
+                       HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D, WRITE_CODES, WRITE_FP8,
+                       PER_TILE)
+        if WRITE_LO:
+            _quantize_tile(x, rows, cols, mask, lo_ref, lo_codes, lo_scales, lo_token, lo_f8, lo_ts,
+                           LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, BLOCK_T, D, WRITE_CODES,
+                           WRITE_FP8, PER_TILE)
 
 
 @triton.jit
@@ -236,7 +311,8 @@ class DualQuantized:
     """Both copies of one tensor ``[B, L, H, D]``; a field is None when not written.
 
     codes/scales (uint8) feed ``tl.dot_scaled``; ``*_f8`` (E4M3 bytes) and ``*_ts``
-    (float32 per token) are the FP8 copies the sm_90 kernel reads.
+    (float32 per token ``[B, L, H]``, or per 128-token tile ``[B, cdiv(L, 128), H]``
+    when quantized with ``per_tile``) are the FP8 copies the sm_90 kernel reads.
     """
 
     hi_codes: torch.Tensor | None  # [B, L, H, D]
@@ -279,10 +355,12 @@ def transpose_grid(shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 
 def quantize_meta(head_dim: int, high: str, low: str, smooth: bool, *, codes: bool, fp8: bool,
-                  write_lo: bool = True, block_t: int = QUANTIZE_BLOCK_T) -> dict:
+                  write_lo: bool = True, per_tile: bool = False, block_t: int = QUANTIZE_BLOCK_T) -> dict:
     """Constexpr arguments of ``_dual_quantize_kernel``."""
+    if per_tile and not fp8:
+        raise ValueError("per_tile scales belong to the FP8 copies: it needs fp8=True")
     hi, lo = FORMATS[high], FORMATS[low]
-    return dict(
+    return dict(TILE_T=TILE if per_tile else block_t, PER_TILE=per_tile,
         D=head_dim, BLOCK_T=block_t, SMOOTH=smooth, WRITE_CODES=codes, WRITE_FP8=fp8, WRITE_LO=write_lo,
         HI_E=hi[0], HI_M=hi[1], HI_EMIN=hi[2], HI_EMAX=hi[3], HI_MAX=hi[4], HI_BLOCK=hi[5],
         LO_E=lo[0], LO_M=lo[1], LO_EMIN=lo[2], LO_EMAX=lo[3], LO_MAX=lo[4], LO_BLOCK=lo[5],
@@ -297,11 +375,14 @@ def written_outputs(low: str, *, codes: bool, fp8: bool, write_lo: bool = True) 
 
 
 def quantize_outputs(shape: tuple[int, ...], high: str, low: str, *, codes: bool, fp8: bool,
-                     write_lo: bool = True) -> list[tuple[tuple[int, ...], str]]:
+                     write_lo: bool = True, per_tile: bool = False) -> list[tuple[tuple[int, ...], str]]:
     """(shape, dtype name) of the nine outputs: hi codes, hi scales, lo codes, lo
-    scales, lo per-token scale (nvfp4), hi E4M3 copy, hi token scale, lo E4M3 copy,
-    lo token scale. Outputs that are not written are one-element placeholders."""
+    scales, lo per-token scale (nvfp4), hi E4M3 copy, hi FP8 scale, lo E4M3 copy,
+    lo FP8 scale. The FP8 scales are per token ``[B, L, H]``, or with ``per_tile``
+    per 128-token tile ``[B, cdiv(L, 128), H]``. Outputs that are not written are
+    one-element placeholders."""
     b, l, h, d = shape
+    ts = (b, triton.cdiv(l, TILE) if per_tile else l, h)
     full = [
         ((b, l, h, d), "uint8"),
         ((b, l, h, d // FORMATS[high][5]), "uint8"),
@@ -309,17 +390,18 @@ def quantize_outputs(shape: tuple[int, ...], high: str, low: str, *, codes: bool
         ((b, l, h, d // FORMATS[low][5]), "uint8"),
         ((b, l, h), "float32"),
         ((b, l, h, d), "uint8"),
-        ((b, l, h), "float32"),
+        (ts, "float32"),
         ((b, l, h, d), "uint8"),
-        ((b, l, h), "float32"),
+        (ts, "float32"),
     ]
     flags = written_outputs(low, codes=codes, fp8=fp8, write_lo=write_lo)
     return [(s, t) if w else ((1,), t) for (s, t), w in zip(full, flags)]
 
 
-def quantize_grid(shape: tuple[int, ...], block_t: int = QUANTIZE_BLOCK_T) -> tuple[int, int, int]:
+def quantize_grid(shape: tuple[int, ...], block_t: int = QUANTIZE_BLOCK_T,
+                  per_tile: bool = False) -> tuple[int, int, int]:
     b, l, h, _ = shape
-    return (triton.cdiv(l, block_t), h, b)
+    return (triton.cdiv(l, TILE if per_tile else block_t), h, b)
 
 
 def _channel_partials(x: torch.Tensor, amax: bool, chunk: int = MEAN_CHUNK):
@@ -364,6 +446,7 @@ def dual_quantize(
     codes: bool = True,
     fp8: bool = False,
     write_lo: bool = True,
+    per_tile: bool = False,
     block_t: int = QUANTIZE_BLOCK_T,
     num_warps: int = QUANTIZE_WARPS,
 ) -> DualQuantized:
@@ -371,17 +454,19 @@ def dual_quantize(
 
     x: bf16/fp16/fp32 ``[B, L, H, D]``, contiguous. ``mean``: float32 ``[B, H, D]``
     (smooth-K) or None. ``fold`` is rounded to float32 (the folded softmax scale for Q).
-    ``codes`` writes codes and scales, ``fp8`` the per-token E4M3 copies;
-    ``write_lo=False`` skips the low copy.
+    ``codes`` writes codes and scales, ``fp8`` the E4M3 copies, with one scale per
+    token or, with ``per_tile`` (K on sm_90), per 128-token tile
+    (``dma_jax.formats.fp8_per_tile``); ``write_lo=False`` skips the low copy.
     """
     if not x.is_contiguous():
         raise ValueError("dual_quantize needs a contiguous [B, L, H, D] tensor")
     b, l, h, d = x.shape
-    spec = quantize_outputs(x.shape, high, low, codes=codes, fp8=fp8, write_lo=write_lo)
+    spec = quantize_outputs(x.shape, high, low, codes=codes, fp8=fp8, write_lo=write_lo, per_tile=per_tile)
     outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=x.device) for shape, dtype in spec]
-    _dual_quantize_kernel[quantize_grid(x.shape, block_t)](
+    _dual_quantize_kernel[quantize_grid(x.shape, block_t, per_tile)](
         x, mean if mean is not None else x, float(torch.tensor(fold, dtype=torch.float32)), l, h, *outs,
-        **quantize_meta(d, high, low, mean is not None, codes=codes, fp8=fp8, write_lo=write_lo, block_t=block_t),
+        **quantize_meta(d, high, low, mean is not None, codes=codes, fp8=fp8, write_lo=write_lo,
+                        per_tile=per_tile, block_t=block_t),
         num_warps=num_warps,
     )
     flags = written_outputs(low, codes=codes, fp8=fp8, write_lo=write_lo)
