@@ -36,14 +36,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--head-dims", default="128,64")
+    parser.add_argument("--pv", choices=("input", "fp8", "both"), default="both", help="which P·V paths")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/tune_attention.py needs a CUDA GPU")
     s, hq, hkv = args.seq, 32, 8
     results = []
+    pv_modes = {"input": (False,), "fp8": (True,), "both": (False, True)}[args.pv]
     for d, causal, pv_fp8 in itertools.product([int(x) for x in args.head_dims.split(",")], (False, True),
-                                               (False, True)):
+                                               pv_modes):
         g = torch.Generator(device="cuda").manual_seed(d)
         q, k, v = (torch.randn(1, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
         q8 = dual_quantize(q, fold=softmax_fold(d**-0.5), codes=False, fp8=True)
@@ -70,6 +72,7 @@ def main() -> None:
                         "tflops": [{**c.__dict__, "tflops": flops / t / 1e9} for c, t in timings.items()]})
     os.makedirs(args.out, exist_ok=True)
     dims = "" if args.head_dims == "128,64" else "_d" + args.head_dims.replace(",", "_")
+    dims += "" if args.pv == "both" else f"_pv_{args.pv}"
     path = os.path.join(args.out, f"tune_attention{dims}_h200.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
