@@ -1,7 +1,7 @@
 """The Triton DMA kernel against dma_jax.reference_attention.
 
 On CPU the kernel runs in Triton's interpreter (conftest); on a GPU natively.
-Tiles that are not native (``tl.dot_scaled``) read the per-token FP8 copies, so
+Tiles that are not native (``tl.dot_scaled``) read the FP8 copies (Q per token, K per tile), so
 the reference runs with ``operands="fp8"`` there, ``"exact"`` for native tiles.
 Tolerances: fp16 inputs ≤ 2e-3 relative L2. bf16 keeps 8 significant bits, and a
 flash kernel rounds P relative to its running row max while the reference
@@ -177,6 +177,17 @@ def test_launch_shapes(block_m, block_n):
                            high=cfg.high, low=cfg.low, native=(False, False), launch=launch).float().cpu().numpy()
         _, ref = kernel_vs_reference(q, k, v, causal=causal, config=cfg, q_offset=offset)
         assert oracle.rel_l2(out, ref) <= 2e-3, (causal, offset)
+
+
+def test_per_token_k_copies_are_rejected():
+    """The kernel reads one K scale per 128-key tile; per-token K copies would be
+    read as tile scales, so mx_attention refuses them with a message."""
+    q, k, v = make(14, 1, 300, 300, 2, 1, 64, "fp16")
+    q8 = dual_quantize(q.to(DEVICE), codes=False, fp8=True)
+    k8 = dual_quantize(k.to(DEVICE), codes=False, fp8=True)
+    with pytest.raises(ValueError, match="one scale per 128-key tile"):
+        mx_attention(q8, k8, v.to(DEVICE), q_len=300, causal=True, q_offset=0, diag=1, sink=1,
+                     high="mxfp8_e4m3", low="nvfp4", native=(False, False))
 
 
 COMPILE_PTX = """

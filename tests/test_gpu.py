@@ -29,7 +29,7 @@ def inputs(seed, b, lq, lk, hq, hkv, d, dtype=jnp.bfloat16):
 
 
 def cpu_reference(q, k, v, **kw):
-    """The reference with the operands sm_90 reads (per-token FP8 copies)."""
+    """The reference with the operands sm_90 reads (FP8 copies: Q per token, K per 128-key tile)."""
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         args = [jax.device_put(np.asarray(x), cpu) for x in (q, k, v)]

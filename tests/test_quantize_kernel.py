@@ -87,7 +87,7 @@ def test_head_dim_128_smooth_k_and_half_dtypes(low, dtype):
 
 @pytest.mark.parametrize("high,low", [("mxfp8_e4m3", "nvfp4"), ("mxfp8_e5m2", "mxfp4")])
 def test_fp8_copies_equal_formats(high, low):
-    """The per-token E4M3 copies the sm_90 kernel reads equal
+    """The per-token E4M3 copies (what the sm_90 kernel reads for Q) equal
     dma_jax.formats.fp8_per_token byte for byte, with the same token scales."""
     x = inputs("nan", (2, 37, 3, 128), seed=8)
     x[1, 5, 2, :32] *= 2.0**-14  # a block far below its token's largest

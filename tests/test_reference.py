@@ -126,7 +126,7 @@ def test_memory_is_bounded_at_8k_32_heads():
 
 @pytest.mark.parametrize("low,causal", [("nvfp4", True), ("mxfp4", False)])
 def test_fp8_operands_and_fp8_pv_match_float64_oracle(low, causal):
-    """The Hopper numerics (per-token FP8 Q·Kᵀ operands, FP8 P·V) in the reference
+    """The Hopper numerics (FP8 Q·Kᵀ operands, Q per token and K per tile; FP8 P·V) in the reference
     against the same rules written independently in numpy."""
     q, k, v = make_qkv(5, 1, 300, 300, 4, 2, 64)
     for pv in ("input", "fp8"):

@@ -254,15 +254,15 @@ def _dma_attention_kernel(
                                  HI_FMT, False, NATIVE_HI, PV_FP8, PV_F32, FIX_BF16)
     if HAS_LO:
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, ql_a, ql_s, ql_t, p, kl_codes, kl_scales, kl_token, kl_f8,
-                                     kl_ts, v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k1, k2, safe, D, BLOCK_N, CAUSAL,
-                                     "e2m1", LO_NV, NATIVE_LO, PV_FP8, PV_F32, FIX_BF16)
+                                     kl_ts, v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k1, k2, safe,
+                                     D, BLOCK_N, CAUSAL, "e2m1", LO_NV, NATIVE_LO, PV_FP8, PV_F32, FIX_BF16)
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, qh_a, qh_s, qh_t, p, kh_codes, kh_scales, kl_token, kh_f8, kh_ts,
                                  v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k2, k3, safe, D, BLOCK_N, CAUSAL,
                                  HI_FMT, False, NATIVE_HI, PV_FP8, PV_F32, FIX_BF16)
     if HAS_LO and not CAUSAL:
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, ql_a, ql_s, ql_t, p, kl_codes, kl_scales, kl_token, kl_f8,
-                                     kl_ts, v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k3, kend, safe, D, BLOCK_N, CAUSAL,
-                                     "e2m1", LO_NV, NATIVE_LO, PV_FP8, PV_F32, FIX_BF16)
+                                     kl_ts, v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k3, kend, safe,
+                                     D, BLOCK_N, CAUSAL, "e2m1", LO_NV, NATIVE_LO, PV_FP8, PV_F32, FIX_BF16)
     cols = tl.arange(0, D)
     if PV_FP8:
         acc = acc * tl.load(v_scale + (b * HKV + kvh) * D + cols)[None, :]
