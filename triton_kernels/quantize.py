@@ -38,13 +38,12 @@ FORMATS = {
 
 
 @triton.jit
-def _token_reference(x, EMAX: tl.constexpr, NVFP4: tl.constexpr):
-    """Per token of a [T, D] tile: the scale that ``_fp8_copy`` would give the token
-    alone (MX: ``2^T``; NVFP4: the raw ``s2``, 0 for an all-zero token), or the
-    smallest candidate (MX ``2^-126``, NVFP4 0) for a token with NaN or Inf.
-    Only the token amax is needed: the largest block exponent is the exponent of
-    the token's largest element."""
-    amax = abs_max(x, 1)
+def _token_reference(amax, EMAX: tl.constexpr, NVFP4: tl.constexpr):
+    """Per token, from its amax (``abs_max`` over head_dim): the scale that
+    ``_fp8_copy`` would give the token alone (MX: ``2^T``; NVFP4: the raw ``s2``, 0
+    for an all-zero token), or the smallest candidate (MX ``2^-126``, NVFP4 0) for a
+    token with NaN or Inf. The amax is all it needs: the largest block exponent is
+    the exponent of the token's largest element."""
     finite = amax < float("inf")  # False for Inf and NaN
     if NVFP4:
         ref = flush_subnormals(tl.math.div_rn(tl.where(finite, amax, 0.0), tl.full(amax.shape, 2688.0, tl.float32)))
@@ -206,9 +205,9 @@ def _dual_quantize_kernel(
         lo_ref = tl.full((), 0.0, tl.float32)
         for c in range(0, TILE_T, BLOCK_T):
             t = pid_t * TILE_T + c + tl.arange(0, BLOCK_T)
-            x = _prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D, SMOOTH)
-            hi_ref = tl.maximum(hi_ref, tl.max(_token_reference(x, HI_EMAX, False)))
-            lo_ref = tl.maximum(lo_ref, tl.max(_token_reference(x, LO_EMAX, LO_NVFP4)))
+            amax = abs_max(_prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D, SMOOTH), 1)
+            hi_ref = tl.maximum(hi_ref, tl.max(_token_reference(amax, HI_EMAX, False)))
+            lo_ref = tl.maximum(lo_ref, tl.max(_token_reference(amax, LO_EMAX, LO_NVFP4)))
         tile = (b * tl.cdiv(L, TILE_T) + pid_t) * H + h
         tl.store(hi_ts + tile, hi_ref)
         if WRITE_LO:
