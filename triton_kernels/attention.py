@@ -41,6 +41,15 @@ _TILE = tl.constexpr(TILE)  # the same, readable inside @triton.jit functions
 
 
 @triton.jit
+def _as_fp8(ptr):
+    """The E4M3 copies arrive as bytes (torch and jax-triton pass uint8): cast the
+    pointer, not the loaded tile. A bitcast between a load and its ``tl.dot`` hides
+    the load from Triton's pipeliner (no async copies into shared memory): a plain
+    FP8 kernel ran 550 instead of 805 TFLOP/s on the H200 that way (NOTES.md)."""
+    return ptr.to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+
+
+@triton.jit
 def _load_operand(codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr, rows, mask, D: tl.constexpr,
                   FMT: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr):
     """Load a [R, D] Q or K operand of one format for rows ``rows`` (int64).
@@ -65,8 +74,8 @@ def _load_operand(codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr, rows, mask, 
         return codes, scales, token
     else:
         cols = tl.arange(0, D)
-        values = tl.load(f8_ptr + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0)
-        return values.to(tl.float8e4nv, bitcast=True), 0, tl.load(ts_ptr + rows, mask=mask, other=1.0)
+        values = tl.load(_as_fp8(f8_ptr) + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0.0)
+        return values, 0, tl.load(ts_ptr + rows, mask=mask, other=1.0)
 
 
 @triton.jit
@@ -90,12 +99,12 @@ def _attend_run(
     cols = tl.arange(0, D)
     offs = tl.arange(0, BLOCK_N)
     rows = (lo + offs) * HKV  # int32: the launcher checks Lk * HKV * D < 2^31
-    k_ptrs = k_f8 + kv_base * D + rows[:, None] * D + cols[None, :]
+    k_ptrs = _as_fp8(k_f8) + kv_base * D + rows[:, None] * D + cols[None, :]
     v_ptrs = v_ptr + kv_base * D + rows[:, None] * D + cols[None, :]
     # V^T rows are padded to a multiple of 16 bytes; saying so lets loads vectorize
     # also where Lk is not specialised (jax-triton passes it as a plain int).
     vt_stride = tl.cdiv(Lk, 16) * 16
-    vt_ptrs = vt_ptr + vt_base + cols[:, None] * vt_stride + (lo + offs)[None, :]
+    vt_ptrs = _as_fp8(vt_ptr) + vt_base + cols[:, None] * vt_stride + (lo + offs)[None, :]
     for n0 in range(lo, hi, BLOCK_N):
         t = n0 + offs
         t_ok = t < Lk  # keys past kv_len (tile padding) never contribute
@@ -105,11 +114,11 @@ def _attend_run(
             s = tl.dot_scaled(qa, qs, FMT, tl.trans(ka), ks, FMT)
         else:
             if MASK:
-                ka = tl.load(k_ptrs, mask=t_ok[:, None], other=0)
+                ka = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)
             else:
                 ka = tl.load(k_ptrs)
             # FP8 x FP8 with both operands K-major (D contiguous); fp32 result.
-            s = tl.dot(qa, tl.trans(ka.to(tl.float8e4nv, bitcast=True)), out_dtype=tl.float32)
+            s = tl.dot(qa, tl.trans(ka), out_dtype=tl.float32)
             # K's copy has one scale per key tile (BLOCK_N divides TILE): with Q's
             # token scale it is a row factor. A per-key factor would cost a vector
             # in the score layout, which pushed the loop into register spills.
@@ -144,10 +153,10 @@ def _attend_run(
             if MASK:
                 # Columns [Lk, LP) of V^T are zeros: masking by LP (a multiple of
                 # 16) keeps the loads vectorized where Lk is not specialised.
-                vt = tl.load(vt_ptrs, mask=(t < vt_stride)[None, :], other=0)
+                vt = tl.load(vt_ptrs, mask=(t < vt_stride)[None, :], other=0.0)
             else:
                 vt = tl.load(vt_ptrs)
-            pv = tl.dot(pr.to(tl.float8e4nv), tl.trans(vt.to(tl.float8e4nv, bitcast=True)), out_dtype=tl.float32)
+            pv = tl.dot(pr.to(tl.float8e4nv), tl.trans(vt), out_dtype=tl.float32)
         else:
             if MASK:
                 v = tl.load(v_ptrs, mask=t_ok[:, None], other=0.0)
@@ -302,16 +311,17 @@ class LaunchConfig:
 
 # Launch settings per GPU generation and (head_dim, causal, FP8 P·V). sm_90: from
 # ``benchmarks/tune_attention.py`` and ``benchmarks/profile_attention.py`` on the H200
-# (NOTES.md has the sweeps). Since K's FP8 scale is one number per key tile, a bf16-V
-# program fits 128 rows x 128 keys in 8 warps without spills (501 TFLOP/s at 8k vs
-# 437 for 64 x 64 in 4 warps); the FP8 P·V holds more registers and keeps 64 rows.
-# At head_dim 64, 64 x 64 blocks in 4 warps are best for every case.
+# (NOTES.md has the sweeps). With the FP8 tiles loaded through FP8 pointers (so
+# they are pipelined into shared memory), 64 rows x 128 keys in 4 warps are best at
+# head_dim 128: 591 / 515 TFLOP/s at 8k (non-causal / causal) with bf16 V and 2
+# stages, 697 / 641 with the FP8 P·V and 3 stages. At head_dim 64, 64 x 64 blocks in 4
+# warps and 3 stages (416-472).
 # Everything else, sm_100 included, takes 128 rows and 8 warps: tcgen05's
 # block-scaled MMA needs 128-row tiles (a CPU test checks the sm_100 PTX).
 DEFAULT_LAUNCH = LaunchConfig(128, 64, 8, 2)
 LAUNCH_SM90 = {
-    (128, False, False): LaunchConfig(128, 128, 8, 3),
-    (128, True, False): LaunchConfig(128, 128, 8, 3),
+    (128, False, False): LaunchConfig(64, 128, 4, 2),
+    (128, True, False): LaunchConfig(64, 128, 4, 2),
     (128, False, True): LaunchConfig(64, 128, 4, 3),
     (128, True, True): LaunchConfig(64, 128, 4, 3),
     (64, False, False): LaunchConfig(64, 64, 4, 3),
