@@ -5,8 +5,13 @@ measurements, in the README.)"""
 import importlib.util
 import json
 import math
+import os
 import pathlib
+import subprocess
 import sys
+
+import pytest
+import triton
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -91,3 +96,24 @@ def test_accuracy_benchmark_reports_the_sm90_numerics(tmp_path, capsys):
     nv = rows["all NVFP4"]
     assert nv["sm90"]["rel_l1"] != nv["rel_l1"] and abs(nv["sm90"]["rel_l1"] - nv["rel_l1"]) < 0.5 * nv["rel_l1"]
     assert "sm_90 rel_l1" in capsys.readouterr().out
+
+
+NEEDS_TRITON_39 = pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9),
+                                     reason="compiling for sm_90 without a GPU needs triton >= 3.9")
+
+
+@NEEDS_TRITON_39
+def test_quantize_ptx_counts_the_sm90_instructions():
+    """The FP8 copies' bytes come from the E4M3 conversion instruction (one per two
+    elements: the hi and the lo copy of each element), the codes do not need it, and
+    only NVFP4 divides. Compiled in a subprocess: the test session interprets kernels."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantize_ptx.py"), "--head-dim", "64"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith(("| fp8", "| codes"))]
+    assert len(rows) == 4
+    per_thread = 16 * 64 // 128  # tokens x head_dim / threads
+    for mode, low, total, per_element, divs, cvts, _ in (map(str.strip, r) for r in rows):
+        assert int(total) > 0 and round(int(total) / per_thread) == int(per_element)
+        assert int(cvts) == (per_thread if mode == "fp8" else 0), (mode, low)
+        assert (int(divs) > 0) == (low == "nvfp4"), (mode, low)

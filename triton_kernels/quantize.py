@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .attention import TILE
-from .mx import abs_max, element_code, exponent, flush_subnormals, pow2, round_to_element
+from .mx import abs_max, e4m3_code, element_code, exponent, flush_subnormals, pow2, round_to_element
 
 # Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
 # Kept in step with dma_jax.formats.FORMATS (a test checks it).
@@ -139,7 +139,7 @@ def _quantize_tile(
     r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
     if WRITE_FP8:
         values, token, token_ok = _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE)
-        f8 = tl.reshape(element_code(values, 4, 3, -6), (BLOCK_T, D))
+        f8 = tl.reshape(e4m3_code(values), (BLOCK_T, D))
         if PER_TILE:
             # The scale is shared by the tile: a non-finite token is E4M3 NaN (0x7F)
             # itself, so only that key's scores become NaN.
@@ -294,7 +294,7 @@ def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
     x = flush_subnormals(x.to(tl.float32))
     values = round_to_element(x * pow2(-t_exp)[None, :], 3, -6, 448.0)
     values = tl.where(finite[None, :], values, 0.0)
-    codes = tl.trans(element_code(values, 4, 3, -6).to(tl.uint8))  # [D, BLOCK_T]
+    codes = tl.trans(e4m3_code(values))  # [D, BLOCK_T]
     # The padding columns [L, LP) get zeros (x was loaded as 0 there). Masking by
     # LP, a multiple of 16, keeps the mask uniform over 16 tokens, so the stores
     # vectorize also where L is not specialised (jax-triton passes it as a plain

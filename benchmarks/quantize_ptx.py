@@ -1,0 +1,76 @@
+"""Instructions per element of the dual-quantize kernel, compiled for sm_90 without a GPU.
+
+The quantizer is bound by its arithmetic (bit-exact rounding in integer operations,
+correctly rounded NVFP4 divisions), not by memory: this counts the PTX instructions
+of one launch configuration and divides by the elements each thread quantizes, so a
+change to the rounding code can be weighed on a CPU machine. Needs Triton >= 3.9
+(ahead-of-time compilation for sm_90); the counts are static, which for the
+per-token modes is also what runs (no loops), except the slow paths of ``div.rn``.
+
+    python benchmarks/quantize_ptx.py [--head-dim 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from triton_kernels.quantize import QUANTIZE_BLOCK_T, QUANTIZE_WARPS, _dual_quantize_kernel, quantize_meta
+
+MODES = {"fp8": dict(codes=False, fp8=True), "codes": dict(codes=True, fp8=False)}
+_POINTERS = {"x_ptr": "*bf16", "mean_ptr": "*fp32", "lo_token": "*fp32", "hi_ts": "*fp32", "lo_ts": "*fp32"}
+
+
+def kernel_ptx(head_dim: int, low: str, mode: str) -> str:
+    """PTX of ``_dual_quantize_kernel`` for sm_90 (Q: no smooth-K, a scale per token)."""
+    meta = quantize_meta(head_dim, "mxfp8_e4m3", low, False, **MODES[mode])
+    names = _dual_quantize_kernel.arg_names
+    signature = {n: "constexpr" if n in meta else _POINTERS.get(n, "*u8") for n in names}
+    signature.update(fold="fp32", L="i32", H="i32")
+    # Pointers 16-byte aligned, as torch's allocations are: otherwise every access
+    # compiles to byte loads and the count means nothing.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*")}
+    src = ASTSource(fn=_dual_quantize_kernel, signature=signature, constexprs=meta, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=QUANTIZE_WARPS)).asm["ptx"]
+
+
+def opcode_counts(ptx: str) -> collections.Counter:
+    """Instructions per opcode (``add.f32`` counts as ``add``) in the kernel body."""
+    counts = collections.Counter()
+    for line in ptx.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("//", ".", "{", "}", ")")) or line.endswith(":"):
+            continue
+        op = re.sub(r"^@!?%p\d+\s+", "", line).split()[0].rstrip(";")
+        counts[op.split(".")[0]] += 1
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dim", type=int, default=128)
+    args = parser.parse_args()
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
+        raise SystemExit("benchmarks/quantize_ptx.py needs triton >= 3.9 to compile for sm_90 without a GPU")
+    per_thread = QUANTIZE_BLOCK_T * args.head_dim // (32 * QUANTIZE_WARPS)
+    print(f"sm_90 PTX of one dual-quantize program: {QUANTIZE_BLOCK_T} tokens x head_dim {args.head_dim}, "
+          f"{QUANTIZE_WARPS} warps, {per_thread} elements per thread and format")
+    print("| mode | low | instructions | per element | div.rn | E4M3 cvt | most frequent |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for mode in MODES:
+        for low in ("nvfp4", "mxfp4"):
+            ptx = kernel_ptx(args.head_dim, low, mode)
+            counts = opcode_counts(ptx)
+            total = sum(counts.values())
+            top = ", ".join(f"{op} {n}" for op, n in counts.most_common(5))
+            print(f"| {mode} | {low} | {total} | {total / per_thread:.0f} | {ptx.count('div.rn.f32')} | "
+                  f"{ptx.count('cvt.rn.satfinite.e4m3x2.f32')} | {top} |")
+
+
+if __name__ == "__main__":
+    main()
