@@ -13,10 +13,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dma_jax import quantize
 from dma_jax.formats import FORMATS as JAX_FORMATS
 from dma_jax.formats import fp8_per_channel, fp8_per_tile, fp8_per_token
+from triton_kernels.mx import e4m3_code, round_e4m3_on_grid_or_small
 from triton_kernels.quantize import FORMATS, channel_mean, dual_quantize, fp8_transpose
 
 from conftest import HAS_CUDA
@@ -160,6 +163,29 @@ def test_fp8_transpose_equals_fp8_per_channel(length):
     want = np.asarray(values).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).transpose(0, 2, 3, 1)
     np.testing.assert_array_equal(vt.cpu().numpy(), want)
     np.testing.assert_array_equal(scale.cpu().numpy(), np.asarray(want_scale))
+
+
+@triton.jit
+def _e4m3_bytes_kernel(y_ptr, out_ptr, N: tl.constexpr):
+    y = tl.load(y_ptr + tl.arange(0, N))
+    tl.store(out_ptr + tl.arange(0, N), e4m3_code(round_e4m3_on_grid_or_small(y)))
+
+
+def test_e4m3_helpers_against_ml_dtypes():
+    """The FP8 copies' rounding and encoding shortcut equals ml_dtypes' E4M3 rounding
+    (nearest, ties to even, -0 kept) on every finite E4M3 value and on values below
+    E4M3's normal range, ties included, the inputs it is used for."""
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = grid[np.isfinite(grid)]
+    rng = np.random.default_rng(11)
+    ties = (np.arange(-127, 128) + 0.5) * 2.0**-9  # halfway between subnormals
+    small = rng.uniform(-(2.0**-6), 2.0**-6, 1500) * np.exp2(-rng.integers(0, 30, 1500))
+    y = np.concatenate([grid, ties[np.abs(ties) < 2.0**-6], small, [0.0, -0.0, -1e-30]]).astype(np.float32)
+    n = 4096
+    y = np.concatenate([y, np.zeros(n - y.size, np.float32)])
+    out = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    _e4m3_bytes_kernel[(1,)](torch.from_numpy(y).to(DEVICE), out, N=n)
+    np.testing.assert_array_equal(out.cpu().numpy(), y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
 
 
 def test_single_token():

@@ -49,6 +49,18 @@ def round_to_element(v, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, MAX_VALUE: t
 
 
 @triton.jit
+def round_e4m3_on_grid_or_small(y):
+    """``round_to_element(y, 3, -6, 448.0)`` for finite y that is either an E4M3 value
+    already or below E4M3's normal range (|y| < 2^-6): both round on E4M3's smallest
+    quantum 2^-9 (an E4M3 value is a multiple of it), so one fixed scale replaces the
+    per-element exponent arithmetic."""
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, half to even
+    r = ((y * 512.0 + magic) - magic) * 0.001953125
+    sign = y.to(tl.uint32, bitcast=True) & 0x80000000
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def element_code(r, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.constexpr):
     """Bit pattern (int32) of an exactly representable element value r."""
     bits = r.to(tl.uint32, bitcast=True)

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from .attention import TILE
-from .mx import abs_max, e4m3_code, element_code, exponent, flush_subnormals, pow2, round_to_element
+from .mx import (abs_max, e4m3_code, element_code, exponent, flush_subnormals, pow2, round_e4m3_on_grid_or_small,
+                 round_to_element)
 
 # Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
 # Kept in step with dma_jax.formats.FORMATS (a test checks it).
@@ -81,7 +82,9 @@ def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4:
         else:
             t = tl.maximum(tl.max(tl.where(finite, block_exp, -127), axis=1) + EMAX - 8, -126)
             shift = tl.maximum(block_exp - t[:, None], -126)
-        values = round_to_element(r * pow2(shift)[:, :, None], 3, -6, 448.0)
+        # r has at most 4 significant bits and |r * 2^shift| <= 448, so the product is
+        # an E4M3 value unless it falls below E4M3's normal range.
+        values = round_e4m3_on_grid_or_small(r * pow2(shift)[:, :, None])
         token = pow2(t)
     values = tl.where(finite[:, :, None], values, 0.0)
     return values, tl.where(token_ok, token, float("nan")), token_ok
