@@ -74,8 +74,9 @@ def element_code(r, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.con
 
 @triton.jit
 def e4m3_code(r):
-    """E4M3 bit pattern (uint8) of r, which must already be an E4M3 value (from
-    ``round_to_element(v, 3, -6, 448.0)``): as ``element_code(r, 4, 3, -6)``, but the
+    """E4M3 bit pattern (uint8) of r, which must already be an E4M3 value (rounded by
+    ``round_to_element(v, 3, -6, 448.0)`` or ``round_e4m3_on_grid_or_small``): as
+    ``element_code(r, 4, 3, -6)``, but the
     conversion has nothing to round, so it is exact whatever rounding a backend uses,
     and on sm_89+ it is one instruction per two elements instead of a dozen integer
     operations per element."""
