@@ -28,6 +28,21 @@ def flush_subnormals(x):
 
 
 @triton.jit
+def div_by(a, b, rb):
+    """``div_rn(a, b)`` for b > 0 whose reciprocal ``rb = div_rn(1, b)`` is a normal
+    float, in one multiply and two FMAs (Markstein's correction) instead of a full
+    division per element. The corrected quotient is the correctly rounded one wherever
+    that is a normal float (no mismatch in 1.2e8 random pairs shaped like the
+    quantizer's, NOTES.md). Where ``a · rb`` is zero or subnormal it is returned as
+    it is: its sign is the quotient's, and every caller rounds such values to a zero
+    of that sign. A non-finite a gives a non-finite result (NaN where a division
+    gives Inf), which callers zero like any non-finite value."""
+    q = a * rb
+    r = tl.fma(-q, b, a)
+    return tl.where(tl.abs(q) < 1.1754943508222875e-38, q, tl.fma(r, rb, q))
+
+
+@triton.jit
 def abs_max(x, axis: tl.constexpr):
     """max |x| along axis, NaN if any element is NaN (as jnp.max)."""
     a = tl.abs(x)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .attention import TILE
-from .mx import (abs_max, e4m3_code, element_code, exponent, flush_subnormals, pow2, round_e4m3_on_grid_or_small,
+from .mx import (abs_max, div_by, e4m3_code, element_code, exponent, flush_subnormals, pow2, round_e4m3_on_grid_or_small,
                  round_to_element)
 
 # Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
@@ -120,8 +120,12 @@ def _quantize_tile(
         sb = round_to_element(tl.where(finite, sb_f, 0.0), 3, -6, 448.0)
         usable = finite & (sb > 0)
         sb_b = tl.where(usable, sb, 1.0)[:, :, None]
-        xs = tl.math.div_rn(xb, tl.broadcast_to(s2[:, None, None], (BLOCK_T, NB, BLOCK)))
-        v = tl.math.div_rn(xs, tl.broadcast_to(sb_b, (BLOCK_T, NB, BLOCK)))
+        # x / s2 / sb, each division correctly rounded (the reference's two steps);
+        # the reciprocals are taken once per token and per block.
+        one = tl.full(s2.shape, 1.0, tl.float32)
+        s2_b = s2[:, None, None]
+        xs = div_by(xb, s2_b, tl.math.div_rn(one, s2)[:, None, None])
+        v = div_by(xs, sb_b, tl.math.div_rn(tl.full(sb_b.shape, 1.0, tl.float32), sb_b))
         # Signed zeros where the block scale is 0; +0 for NaN (its sign means nothing).
         zero = (xb.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
         zero = tl.where(xb == xb, zero, 0.0)

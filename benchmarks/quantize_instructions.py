@@ -1,13 +1,15 @@
 """Instructions per element of the dual-quantize kernel, compiled for sm_90 without a GPU.
 
 The quantizer is bound by its arithmetic (bit-exact rounding in integer operations,
-correctly rounded NVFP4 divisions), not by memory: this counts the PTX instructions
-of one launch configuration and divides by the elements each thread quantizes, so a
-change to the rounding code can be weighed on a CPU machine. Needs Triton >= 3.9
-(ahead-of-time compilation for sm_90); the counts are static, which for the
-per-token modes is also what runs (no loops), except the slow paths of ``div.rn``.
+correctly rounded NVFP4 divisions), not by memory: this counts the SASS instructions
+of one launch configuration (Triton's ``nvdisasm`` on the cubin) and divides by the
+elements each thread quantizes, so a change to the rounding code can be weighed on a
+CPU machine. Needs Triton >= 3.9 (ahead-of-time compilation for sm_90). The counts
+are static: for the per-token modes that is what runs (no loops), except that each
+``div.rn`` left in the PTX also brings a slow-path subroutine that runs only for
+extreme operands.
 
-    python benchmarks/quantize_ptx.py [--head-dim 128]
+    python benchmarks/quantize_instructions.py [--head-dim 128]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.tools.disasm import get_sass
 
 from triton_kernels.quantize import QUANTIZE_BLOCK_T, QUANTIZE_WARPS, _dual_quantize_kernel, quantize_meta
 
@@ -26,8 +29,9 @@ MODES = {"fp8": dict(codes=False, fp8=True), "codes": dict(codes=True, fp8=False
 _POINTERS = {"x_ptr": "*bf16", "mean_ptr": "*fp32", "lo_token": "*fp32", "hi_ts": "*fp32", "lo_ts": "*fp32"}
 
 
-def kernel_ptx(head_dim: int, low: str, mode: str) -> str:
-    """PTX of ``_dual_quantize_kernel`` for sm_90 (Q: no smooth-K, a scale per token)."""
+def compiled(head_dim: int, low: str, mode: str) -> dict:
+    """``_dual_quantize_kernel`` compiled for sm_90 (Q: no smooth-K, a scale per token):
+    its ``asm`` dict (``ptx``, ``cubin``, ...)."""
     meta = quantize_meta(head_dim, "mxfp8_e4m3", low, False, **MODES[mode])
     names = _dual_quantize_kernel.arg_names
     signature = {n: "constexpr" if n in meta else _POINTERS.get(n, "*u8") for n in names}
@@ -36,18 +40,17 @@ def kernel_ptx(head_dim: int, low: str, mode: str) -> str:
     # compiles to byte loads and the count means nothing.
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*")}
     src = ASTSource(fn=_dual_quantize_kernel, signature=signature, constexprs=meta, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=QUANTIZE_WARPS)).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=QUANTIZE_WARPS)).asm
 
 
-def opcode_counts(ptx: str) -> collections.Counter:
-    """Instructions per opcode (``add.f32`` counts as ``add``) in the kernel body."""
+def sass_opcodes(sass: str) -> collections.Counter:
+    """Instructions per opcode (``FFMA.FTZ`` counts as ``FFMA``) in nvdisasm's listing,
+    whose instruction lines start with their scheduling control field."""
     counts = collections.Counter()
-    for line in ptx.splitlines():
-        line = line.strip()
-        if not line or line.startswith(("//", ".", "{", "}", ")")) or line.endswith(":"):
-            continue
-        op = re.sub(r"^@!?%p\d+\s+", "", line).split()[0].rstrip(";")
-        counts[op.split(".")[0]] += 1
+    for line in sass.splitlines():
+        if re.match(r"^[-0-9]{2}:[-0-9]:[-0-9]:[-Y]:[0-9]+\t", line):
+            op = re.sub(r"^@!?U?P[0-9T]+\s+", "", line.split("\t", 1)[1]).split()[0]
+            counts[op.split(".")[0]] += 1
     return counts
 
 
@@ -56,20 +59,20 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args()
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
-        raise SystemExit("benchmarks/quantize_ptx.py needs triton >= 3.9 to compile for sm_90 without a GPU")
+        raise SystemExit("benchmarks/quantize_instructions.py needs triton >= 3.9 to compile for sm_90 without a GPU")
     per_thread = QUANTIZE_BLOCK_T * args.head_dim // (32 * QUANTIZE_WARPS)
     print(f"sm_90 PTX of one dual-quantize program: {QUANTIZE_BLOCK_T} tokens x head_dim {args.head_dim}, "
           f"{QUANTIZE_WARPS} warps, {per_thread} elements per thread and format")
-    print("| mode | low | instructions | per element | div.rn | E4M3 cvt | most frequent |")
+    print("| mode | low | SASS instructions | per element | PTX div.rn | PTX E4M3 cvt | most frequent |")
     print("|---|---|---:|---:|---:|---:|---|")
     for mode in MODES:
         for low in ("nvfp4", "mxfp4"):
-            ptx = kernel_ptx(args.head_dim, low, mode)
-            counts = opcode_counts(ptx)
+            asm = compiled(args.head_dim, low, mode)
+            counts = sass_opcodes(get_sass(asm["cubin"]))
             total = sum(counts.values())
             top = ", ".join(f"{op} {n}" for op, n in counts.most_common(5))
-            print(f"| {mode} | {low} | {total} | {total / per_thread:.0f} | {ptx.count('div.rn.f32')} | "
-                  f"{ptx.count('cvt.rn.satfinite.e4m3x2.f32')} | {top} |")
+            print(f"| {mode} | {low} | {total} | {total / per_thread:.0f} | {asm['ptx'].count('div.rn.f32')} | "
+                  f"{asm['ptx'].count('cvt.rn.satfinite.e4m3x2.f32')} | {top} |")
 
 
 if __name__ == "__main__":
