@@ -19,7 +19,7 @@ import triton.language as tl
 from dma_jax import quantize
 from dma_jax.formats import FORMATS as JAX_FORMATS
 from dma_jax.formats import fp8_per_channel, fp8_per_tile, fp8_per_token
-from triton_kernels.mx import e4m3_code, round_e4m3_on_grid_or_small
+from triton_kernels.mx import div_by, e4m3_code, round_e4m3_on_grid_or_small
 from triton_kernels.quantize import FORMATS, channel_mean, dual_quantize, fp8_transpose
 
 from conftest import HAS_CUDA
@@ -186,6 +186,39 @@ def test_e4m3_helpers_against_ml_dtypes():
     out = torch.empty(n, dtype=torch.uint8, device=DEVICE)
     _e4m3_bytes_kernel[(1,)](torch.from_numpy(y).to(DEVICE), out, N=n)
     np.testing.assert_array_equal(out.cpu().numpy(), y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+
+@triton.jit
+def _div_by_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+    a = tl.load(a_ptr + tl.arange(0, N))
+    b = tl.load(b_ptr + tl.arange(0, N))
+    tl.store(out_ptr + tl.arange(0, N), div_by(a, b, tl.math.div_rn(tl.full((N,), 1.0, tl.float32), b)))
+
+
+def test_div_by_equals_correctly_rounded_division():
+    """NVFP4's divisions by reciprocal and correction equal IEEE division (numpy's)
+    bit for bit where the quotient is a normal float, and keep its sign elsewhere, on
+    pairs shaped like x / s2 (s2 = amax / 2688), x / s2 / sb (sb an E4M3 value),
+    divisors with all-ones significands, zeros of both signs and tiny quotients."""
+    rng = np.random.default_rng(12)
+    n = 1 << 18
+    amax = (np.exp2(rng.uniform(-100, 100, n)) * rng.uniform(1, 2, n)).astype(np.float32)
+    x = (amax * rng.uniform(-1, 1, n)).astype(np.float32)
+    x[:1000] = amax[:1000]
+    sb = rng.integers(1, 0x7F, n).astype(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    ones = (np.float32(2) - np.float32(2.0**-23)) * np.exp2(rng.integers(-60, 60, n)).astype(np.float32)
+    a = np.concatenate([x, (rng.uniform(-6, 6, n) * sb).astype(np.float32), rng.uniform(-1e3, 1e3, n) * ones,
+                        [0.0, -0.0, 1e-37, -1e-37, 3e-38]]).astype(np.float32)
+    b = np.concatenate([amax / np.float32(2688), sb, ones, [3.0, 3.0, 1e3, 1e3, 7.0]]).astype(np.float32)
+    size = 1 << 20
+    a, b = np.pad(a, (0, size - a.size), constant_values=1.0), np.pad(b, (0, size - b.size), constant_values=1.0)
+    out = torch.empty(size, dtype=torch.float32, device=DEVICE)
+    _div_by_kernel[(1,)](torch.from_numpy(a).to(DEVICE), torch.from_numpy(b).to(DEVICE), out, N=size)
+    got, want = out.cpu().numpy(), a / b
+    normal = np.abs(want) >= np.finfo(np.float32).tiny
+    np.testing.assert_array_equal(got[normal].view(np.uint32), want[normal].view(np.uint32))
+    assert (np.signbit(got) == np.signbit(want)).all()
+    assert (np.abs(got[~normal]) < np.finfo(np.float32).tiny).all()
 
 
 def test_single_token():
