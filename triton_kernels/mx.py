@@ -7,6 +7,7 @@ reproduce ``dma_jax.formats`` bit for bit (DESIGN.md §3.1).
 import triton
 import triton.language as tl
 
+FLOAT32_NORMAL_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126
 
 @triton.jit
 def pow2(e):
@@ -24,7 +25,7 @@ def exponent(a):
 def flush_subnormals(x):
     """float32 subnormals become zeros of the same sign (as ``dma_jax.formats``)."""
     sign = (x.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(x) < 1.1754943508222875e-38, sign, x)
+    return tl.where(tl.abs(x) < FLOAT32_NORMAL_MIN, sign, x)
 
 
 @triton.jit
@@ -39,7 +40,7 @@ def div_by(a, b, rb):
     gives Inf), which callers zero like any non-finite value."""
     q = a * rb
     r = tl.fma(-q, b, a)
-    return tl.where(tl.abs(q) < 1.1754943508222875e-38, q, tl.fma(r, rb, q))
+    return tl.where(tl.abs(q) < FLOAT32_NORMAL_MIN, q, tl.fma(r, rb, q))
 
 
 @triton.jit
@@ -51,16 +52,23 @@ def abs_max(x, axis: tl.constexpr):
 
 
 @triton.jit
+def _round_to_quantum(c, up, down, sign_of):
+    """c rounded to the nearest multiple of ``down = 1 / up`` (powers of two), half to
+    even, carrying the sign of ``sign_of`` (so -0 and negatives that round to zero stay
+    negative). Needs |c * up| < 2^22."""
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, half to even
+    r = ((c * up + magic) - magic) * down
+    sign = sign_of.to(tl.uint32, bitcast=True) & 0x80000000
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_to_element(v, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, MAX_VALUE: tl.constexpr):
     """Nearest element value of finite v, ties to even, saturating; keeps -0."""
     c = tl.minimum(tl.maximum(v, -MAX_VALUE), MAX_VALUE)
     e = tl.maximum(exponent(tl.abs(c)), EMIN)
-    scaled = c * pow2(MAN_BITS - e)  # exact; |scaled| < 2^(MAN_BITS + 1)
-    # Adding and subtracting 1.5 * 2^23 rounds to an integer, half to even.
-    magic = 12582912.0
-    r = ((scaled + magic) - magic) * pow2(e - MAN_BITS)
-    sign = v.to(tl.uint32, bitcast=True) & 0x80000000
-    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    # c * 2^(MAN_BITS - e) is exact and below 2^(MAN_BITS + 1) in magnitude.
+    return _round_to_quantum(c, pow2(MAN_BITS - e), pow2(e - MAN_BITS), v)
 
 
 @triton.jit
@@ -69,10 +77,7 @@ def round_e4m3_on_grid_or_small(y):
     already or below E4M3's normal range (|y| < 2^-6): both round on E4M3's smallest
     quantum 2^-9 (an E4M3 value is a multiple of it), so one fixed scale replaces the
     per-element exponent arithmetic."""
-    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, half to even
-    r = ((y * 512.0 + magic) - magic) * 0.001953125
-    sign = y.to(tl.uint32, bitcast=True) & 0x80000000
-    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return _round_to_quantum(y, 512.0, 0.001953125, y)
 
 
 @triton.jit
@@ -91,10 +96,9 @@ def element_code(r, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.con
 def e4m3_code(r):
     """E4M3 bit pattern (uint8) of r, which must already be an E4M3 value (rounded by
     ``round_to_element(v, 3, -6, 448.0)`` or ``round_e4m3_on_grid_or_small``): as
-    ``element_code(r, 4, 3, -6)``, but the
-    conversion has nothing to round, so it is exact whatever rounding a backend uses,
-    and on sm_89+ it is one instruction per two elements instead of a dozen integer
-    operations per element."""
+    ``element_code(r, 4, 3, -6)``, but the conversion has nothing to round, so it is
+    exact whatever rounding a backend uses, and on sm_89+ it is one instruction per
+    two elements instead of a dozen integer operations per element."""
     return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
 

@@ -122,9 +122,8 @@ def _quantize_tile(
         sb_b = tl.where(usable, sb, 1.0)[:, :, None]
         # x / s2 / sb, each division correctly rounded (the reference's two steps);
         # the reciprocals are taken once per token and per block.
-        one = tl.full(s2.shape, 1.0, tl.float32)
         s2_b = s2[:, None, None]
-        xs = div_by(xb, s2_b, tl.math.div_rn(one, s2)[:, None, None])
+        xs = div_by(xb, s2_b, tl.math.div_rn(tl.full(s2_b.shape, 1.0, tl.float32), s2_b))
         v = div_by(xs, sb_b, tl.math.div_rn(tl.full(sb_b.shape, 1.0, tl.float32), sb_b))
         # Signed zeros where the block scale is 0; +0 for NaN (its sign means nothing).
         zero = (xb.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
