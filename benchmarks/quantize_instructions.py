@@ -61,7 +61,7 @@ def main() -> None:
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
         raise SystemExit("benchmarks/quantize_instructions.py needs triton >= 3.9 to compile for sm_90 without a GPU")
     per_thread = QUANTIZE_BLOCK_T * args.head_dim // (32 * QUANTIZE_WARPS)
-    print(f"sm_90 PTX of one dual-quantize program: {QUANTIZE_BLOCK_T} tokens x head_dim {args.head_dim}, "
+    print(f"sm_90 SASS of one dual-quantize program: {QUANTIZE_BLOCK_T} tokens x head_dim {args.head_dim}, "
           f"{QUANTIZE_WARPS} warps, {per_thread} elements per thread and format")
     print("| mode | low | SASS instructions | per element | PTX div.rn | PTX E4M3 cvt | most frequent |")
     print("|---|---|---:|---:|---:|---:|---|")

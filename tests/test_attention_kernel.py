@@ -9,7 +9,6 @@ rounds it relative to the final max: two bf16 roundings of P and of the output
 put bf16 agreement at 1–2.5e-3, so bf16 cases allow 4e-3.
 """
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -19,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import triton
 
 from dma_jax import DMAConfig, reference_attention
 from dma_jax.config import ALL_TILES
@@ -28,7 +26,7 @@ from triton_kernels.dma import dma_attention, softmax_fold
 from triton_kernels.quantize import channel_mean, dual_quantize
 
 import oracle
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, TRITON_39, compiler_env
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -217,7 +215,7 @@ print(sorted(set(re.findall(r"wgmma[.]mma_async[.]sync[.]aligned[.]m64n[0-9]+k[0
 
 def _compiled_mma_kinds(arch: int, low: str, native_low: bool, pv_fp8: bool = False) -> str:
     # A compiled (not interpreted) kernel is needed: run without TRITON_INTERPRET.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compiler_env()
     root = pathlib.Path(__file__).parents[1]
     args = [str(arch), low, "1" if native_low else "0", "1" if pv_fp8 else "0"]
     done = subprocess.run([sys.executable, "-c", COMPILE_PTX, *args],
@@ -225,7 +223,7 @@ def _compiled_mma_kinds(arch: int, low: str, native_low: bool, pv_fp8: bool = Fa
     return done.stdout
 
 
-NEEDS_TRITON_39 = pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9),
+NEEDS_TRITON_39 = pytest.mark.skipif(not TRITON_39,
                                      reason="AOT compilation for sm_100 needs triton >= 3.9 (the device image has 3.6)")
 
 

@@ -5,13 +5,13 @@ measurements, in the README.)"""
 import importlib.util
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
-import triton
+
+from conftest import TRITON_39, compiler_env
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -98,19 +98,14 @@ def test_accuracy_benchmark_reports_the_sm90_numerics(tmp_path, capsys):
     assert "sm_90 rel_l1" in capsys.readouterr().out
 
 
-NEEDS_TRITON_39 = pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9),
-                                     reason="compiling for sm_90 without a GPU needs triton >= 3.9")
-
-
-@NEEDS_TRITON_39
+@pytest.mark.skipif(not TRITON_39, reason="compiling for sm_90 without a GPU needs triton >= 3.9")
 def test_quantize_instructions_counts_the_sm90_instructions():
     """The FP8 copies' bytes come from the E4M3 conversion instruction (one per two
     elements: the hi and the lo copy of each element), the codes do not need it, and
     only NVFP4 divides, once per token and block (not per element). Compiled in a
     subprocess: the test session interprets kernels."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantize_instructions.py"), "--head-dim", "64"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+                          cwd=ROOT, env=compiler_env(), capture_output=True, text=True, check=True)
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith(("| fp8", "| codes"))]
     assert len(rows) == 4
     per_thread = 16 * 64 // 128  # tokens x head_dim / threads
