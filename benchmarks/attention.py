@@ -4,7 +4,8 @@ In one run on one GPU, on the same bf16 inputs (batch 1, 32 query heads, 8 kv
 heads): DMA's default config and the Hopper preset (``DMAConfig.hopper_fast()``)
 through ``jax.jit(dma_jax.attention)`` (their time includes the smooth-K mean
 and the quantization; the quantization alone is also timed, through the torch
-launchers of the same kernels), cuDNN and XLA through
+launchers of the same kernels), our own bf16 path (the same kernel with Q·Kᵀ on
+the bf16 inputs, ``dma_jax.kernels.triton_input_attention``), cuDNN and XLA through
 ``jax.nn.dot_product_attention``, cuDNN FP8 through JAX's private
 ``fused_attention_stablehlo`` API (FP8 inputs prepared outside the timing, FP8
 output; K/V heads repeated to 32 because it has no GQA), and torch SDPA.
@@ -35,6 +36,7 @@ import triton
 
 import dma_jax
 from dma_jax import DMAConfig, bridge
+from dma_jax.kernels import triton_input_attention
 from dma_jax.metrics import error_metrics
 from dma_jax.synthetic import llm_like_qkv
 from triton_kernels.attention import all_high
@@ -72,6 +74,11 @@ def time_torch(fn, sets) -> float:
 
 def dma_fn(cfg, causal):
     return jax.jit(lambda q, k, v: dma_jax.attention(q, k, v, causal=causal, config=cfg))
+
+
+def ours_bf16_fn(causal, sm_scale):
+    return jax.jit(lambda q, k, v: triton_input_attention(q, k, v, causal=causal, sm_scale=sm_scale,
+                                                          q_offset=k.shape[1] - q.shape[1]))
 
 
 def quantize_only(cfg: DMAConfig, q, k, v) -> None:
@@ -118,7 +125,7 @@ def cudnn_fp8_fn(causal, sm_scale):
 def speed(dims, seqs, save) -> list[dict]:
     print(f"{torch.cuda.get_device_name()}, batch 1, {Q_HEADS}:{KV_HEADS} heads, bf16; "
           "TFLOP/s (ratio to cudnn_bf16); DMA quantization alone in ms")
-    names = ["dma_default", "dma_hopper_fast", "cudnn_bf16", "cudnn_fp8", "xla_bf16", "torch_sdpa_bf16"]
+    names = ["dma_default", "dma_hopper_fast", "ours_bf16", "cudnn_bf16", "cudnn_fp8", "xla_bf16", "torch_sdpa_bf16"]
     print("| D | causal | S | " + " | ".join(names) + " | quantize ms (default / fast) |")
     print("|---|---|---:|" + "---:|" * (len(names) + 1))
     rows = []
@@ -144,6 +151,7 @@ def speed(dims, seqs, save) -> list[dict]:
             record(name, lambda: time_jax(dma_fn(cfg, causal), sets))
             torch_sets = [[bridge.to_torch(x) for x in s] for s in sets]
             row["quantize_ms"][name] = time_torch(lambda q, k, v, c=cfg: quantize_only(c, q, k, v), torch_sets)
+        record("ours_bf16", lambda: time_jax(ours_bf16_fn(causal, dim**-0.5), sets))
         record("cudnn_bf16", lambda: time_jax(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn")), sets))
 
@@ -179,6 +187,7 @@ def accuracy(seq=4096, dim=128) -> dict[str, dict]:
     outs["dma_pv_fp8"] = dma_fn(DMAConfig(pv="fp8"), True)(q, k, v)
     outs["dma_all_mxfp8"] = dma_fn(DMAConfig.all_high(), True)(q, k, v)
     outs["dma_all_nvfp4"] = dma_fn(DMAConfig.all_low(), True)(q, k, v)
+    outs["ours_bf16"] = ours_bf16_fn(True, dim**-0.5)(q, k, v)
     outs["cudnn_bf16"] = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     (q8, k8, v8), params, scale_o = cudnn_fp8_setup(q, k, v)
     out8 = cudnn_fp8_fn(True, dim**-0.5)(q8, k8, v8, params)

@@ -5,9 +5,10 @@ GPU only. For each (head_dim, causal, P·V mode) it times the attention launch
 alone (Q and K quantized once beforehand) with ``triton.testing.do_bench`` at
 B=1, S=8192, 32 query and 8 kv heads, DMA default tiles, bf16, for every
 candidate (BLOCK_M, BLOCK_N, num_warps, num_stages). Prints a table per key,
-the best setting, and writes JSON.
+the best setting, and writes JSON. ``--unquantized`` sweeps the same kernel
+with Q·Kᵀ on the bf16 inputs (``input_attention``, the benchmark's own bf16 path).
 
-    python benchmarks/tune_attention.py [--seq 8192]
+    python benchmarks/tune_attention.py [--seq 8192] [--head-dims 128] [--pv input] [--unquantized]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import torch
 import triton
 
-from triton_kernels.attention import LaunchConfig, mx_attention
+from triton_kernels.attention import LaunchConfig, input_attention, mx_attention
 from triton_kernels.dma import softmax_fold
 from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
 
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--pv", choices=("input", "fp8", "both"), default="both", help="which P·V paths")
+    parser.add_argument("--unquantized", action="store_true", help="Q·Kᵀ on the bf16 inputs (bf16 P·V only)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -44,6 +46,8 @@ def main() -> None:
     s, hq, hkv = args.seq, 32, 8
     results = []
     pv_modes = {"input": (False,), "fp8": (True,), "both": (False, True)}[args.pv]
+    if args.unquantized:
+        pv_modes = (False,)
     for d, causal, pv_fp8 in itertools.product([int(x) for x in args.head_dims.split(",")], (False, True),
                                                pv_modes):
         g = torch.Generator(device="cuda").manual_seed(d)
@@ -55,6 +59,9 @@ def main() -> None:
         timings = {}
         for launch in CANDIDATES:
             def run():
+                if args.unquantized:
+                    return input_attention(q, k, v, causal=causal, q_offset=0, qk_scale=softmax_fold(d**-0.5),
+                                           launch=launch)
                 return mx_attention(q8, k8, v, q_len=s, causal=causal, q_offset=0, diag=1, sink=1,
                                     high="mxfp8_e4m3", low="nvfp4", native=(False, False), vt=vt,
                                     v_scale=v_scale, launch=launch)
@@ -63,8 +70,8 @@ def main() -> None:
             except Exception as err:  # e.g. out of shared memory for this shape
                 print(f"  {launch}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
         best = min(timings, key=timings.get)
-        key = {"head_dim": d, "causal": causal, "pv_fp8": pv_fp8}
-        print(f"D={d} causal={causal} pv_fp8={pv_fp8}: best {best} "
+        key = {"head_dim": d, "causal": causal, "pv_fp8": pv_fp8, "unquantized": args.unquantized}
+        print(f"D={d} causal={causal} pv_fp8={pv_fp8} unquantized={args.unquantized}: best {best} "
               f"{flops / timings[best] / 1e9:.0f} TFLOP/s; " +
               ", ".join(f"{c.block_m}/{c.block_n}/{c.num_warps}/{c.num_stages}: {flops / t / 1e9:.0f}"
                         for c, t in timings.items()), flush=True)
@@ -72,7 +79,7 @@ def main() -> None:
                         "tflops": [{**c.__dict__, "tflops": flops / t / 1e9} for c, t in timings.items()]})
     os.makedirs(args.out, exist_ok=True)
     dims = "" if args.head_dims == "128,64" else "_d" + args.head_dims.replace(",", "_")
-    dims += "" if args.pv == "both" else f"_pv_{args.pv}"
+    dims += "_unquantized" if args.unquantized else "" if args.pv == "both" else f"_pv_{args.pv}"
     path = os.path.join(args.out, f"tune_attention{dims}_h200.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),

@@ -106,11 +106,34 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
     n_blocks, block0 = attn.query_blocks(q_len, q_offset, launch.block_m)
     meta = attn.attention_meta(
         dim, causal=causal, high=high, low=low, native=native, has_lo=has_lo, pv_fp8=pv_fp8,
-        v_dtype_is_f32=q.dtype == jnp.float32, interpret=False, launch=launch,
+        f32_inputs=q.dtype == jnp.float32, interpret=False, launch=launch,
     )
     return jt.triton_call(
         *q8, *k8, v, vt, v_scale, q_len, kv_len, q_heads, kv_heads, q_offset, block0,
-        config.diag_tiles, config.sink_tiles, kernel=attn._dma_attention_kernel,
+        config.diag_tiles, config.sink_tiles, np.float32(1.0), kernel=attn._dma_attention_kernel,
         out_shape=_sds(q.shape, q.dtype), grid=(n_blocks, q_heads, batch),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **meta,
+    )
+
+
+def triton_input_attention(q, k, v, *, causal: bool, sm_scale: float, q_offset: int):
+    """The DMA kernel with Q·Kᵀ on the unquantized inputs: our own bf16/fp16 flash
+    attention, one launch, the baseline of ``benchmarks/attention.py``
+    (``triton_kernels.attention.input_attention`` is its torch twin). Same shapes
+    and ``q_offset`` as ``dma_jax.attention``; no smoothing, no quantization."""
+    jt = import_jax_triton()
+    batch, q_len, q_heads, dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    attn.check_extent(kv_len, kv_heads, dim)
+    launch = attn.launch_config(dim, causal, False, _capability())
+    n_blocks, block0 = attn.query_blocks(q_len, q_offset, launch.block_m)
+    meta = attn.attention_meta(
+        dim, causal=causal, high="input", low="nvfp4", native=(False, False), has_lo=False, pv_fp8=False,
+        f32_inputs=q.dtype == jnp.float32, interpret=False, launch=launch,
+    )
+    return jt.triton_call(
+        *(q,) * 9, *(k,) * 9, v, v, v, q_len, kv_len, q_heads, kv_heads, q_offset, block0,
+        attn.band_covering_all(q_len, kv_len, q_offset), 0, np.float32(softmax_fold(sm_scale)),
+        kernel=attn._dma_attention_kernel, out_shape=_sds(q.shape, q.dtype), grid=(n_blocks, q_heads, batch),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **meta,
     )

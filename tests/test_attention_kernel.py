@@ -21,7 +21,7 @@ import torch
 
 from dma_jax import DMAConfig, reference_attention
 from dma_jax.config import ALL_TILES
-from triton_kernels.attention import LaunchConfig, mx_attention
+from triton_kernels.attention import LaunchConfig, input_attention, mx_attention
 from triton_kernels.dma import dma_attention, softmax_fold
 from triton_kernels.quantize import channel_mean, dual_quantize
 
@@ -199,11 +199,11 @@ arch, low, native, pv_fp8 = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", s
 types = {"*u8": [f"{x}{c}_{f}" for x in "qk" for c in "hl" for f in ("codes", "scales", "f8")] + ["vt_ptr"],
          "*fp32": [f"{x}{c}_ts" for x in "qk" for c in "hl"] + ["ql_token", "kl_token", "v_scale"],
          "*bf16": ["v_ptr", "o_ptr"],
-         "i32": ["Lq", "Lk", "HQ", "HKV", "q_offset", "block0", "diag", "sink"]}
+         "i32": ["Lq", "Lk", "HQ", "HKV", "q_offset", "block0", "diag", "sink"], "fp32": ["qk_scale"]}
 signature = {name: ty for ty, names in types.items() for name in names}
 launch = launch_config(128, True, pv_fp8, (arch // 10, arch % 10))
 meta = attention_meta(128, causal=True, high="mxfp8_e4m3", low=low, native=(arch >= 100, native), has_lo=True,
-                      pv_fp8=pv_fp8, v_dtype_is_f32=False, interpret=False, launch=launch)
+                      pv_fp8=pv_fp8, f32_inputs=False, interpret=False, launch=launch)
 signature.update({name: "constexpr" for name in meta})
 src = ASTSource(fn=_dma_attention_kernel, signature=signature, constexprs=meta)
 ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -243,3 +243,28 @@ def test_sm100_ptx_uses_block_scaled_tcgen05_mma():
     assert "('mxf8f6f4', 'block32')" in kinds  # the MXFP8 tiles
     assert "('mxf4', 'block32')" in kinds  # the MXFP4 tiles
     assert "('mxf4nvf4', 'block16')" in _compiled_mma_kinds(100, "nvfp4", True)  # NVFP4 tiles, forced native
+
+
+@pytest.mark.parametrize("dtype,tol", [("fp16", 5e-4), ("bf16", 4e-3)])
+@pytest.mark.parametrize("b,lq,lk,hq,hkv,d,causal,q_offset", [
+    (1, 300, 300, 4, 2, 64, True, 0),
+    (2, 130, 257, 4, 1, 128, False, 127),
+    (1, 200, 390, 8, 8, 128, True, 190),
+])
+def test_input_attention_matches_float64(dtype, tol, b, lq, lk, hq, hkv, d, causal, q_offset):
+    """The unquantized baseline (Q·Kᵀ on the inputs) is plain attention: only P's and
+    the output's rounding to the input dtype separate it from float64."""
+    q, k, v = make(15 + lq, b, lq, lk, hq, hkv, d, dtype)
+    sm_scale = d**-0.5
+    out = input_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal, q_offset=q_offset,
+                          qk_scale=softmax_fold(sm_scale))
+    ref = oracle.softmax_attention(*(x.float().numpy() for x in (q, k, v)), causal=causal, q_offset=q_offset,
+                                   sm_scale=sm_scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert oracle.rel_l2(out.float().cpu().numpy(), ref) <= tol
+
+
+def test_input_attention_rejects_mixed_dtypes():
+    q, k, v = make(16, 1, 10, 10, 2, 1, 64, "fp16")
+    with pytest.raises(ValueError, match="share a dtype"):
+        input_attention(q, k, v.bfloat16(), causal=True, q_offset=0, qk_scale=1.0)

@@ -50,6 +50,16 @@ def _as_fp8(ptr):
 
 
 @triton.jit
+def _tile_ptr(ptr, FMT: tl.constexpr):
+    """Where Q·Kᵀ operand tiles of format FMT are read: the FP8 copies through an
+    FP8 pointer, the unquantized inputs (FMT "input") as they are."""
+    if FMT == "input":
+        return ptr
+    else:
+        return _as_fp8(ptr)
+
+
+@triton.jit
 def _load_operand(codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr, rows, mask, D: tl.constexpr,
                   FMT: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr):
     """Load a [R, D] Q or K operand of one format for rows ``rows`` (int64).
@@ -57,7 +67,8 @@ def _load_operand(codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr, rows, mask, 
     Returns (operand, scale bytes, per-row factor). NATIVE: the codes and scale
     bytes as ``tl.dot_scaled`` takes them, and NVFP4's s2 (else 1). Otherwise (Q
     only) the quantizer's per-token E4M3 copy (``dma_jax.formats.fp8_per_token``)
-    for the FP8 tensor cores, with its token scale.
+    for the FP8 tensor cores, with its token scale; FMT "input": Q itself
+    (``f8_ptr``), whose factor the caller supplies.
     """
     if NATIVE:
         BLOCK: tl.constexpr = 16 if NV else 32
@@ -74,8 +85,11 @@ def _load_operand(codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr, rows, mask, 
         return codes, scales, token
     else:
         cols = tl.arange(0, D)
-        values = tl.load(_as_fp8(f8_ptr) + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0.0)
-        return values, 0, tl.load(ts_ptr + rows, mask=mask, other=1.0)
+        values = tl.load(_tile_ptr(f8_ptr, FMT) + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0.0)
+        if FMT == "input":
+            return values, 0, 1.0
+        else:
+            return values, 0, tl.load(ts_ptr + rows, mask=mask, other=1.0)
 
 
 @triton.jit
@@ -85,7 +99,7 @@ def _attend_run(
     kv_base, kts_base, vt_base, Lk, HKV, lo, hi,
     D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASK: tl.constexpr,
     FMT: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr,
-    PV_FP8: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    PV_FP8: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi) (multiples of BLOCK_N), all in format FMT.
 
@@ -99,7 +113,7 @@ def _attend_run(
     cols = tl.arange(0, D)
     offs = tl.arange(0, BLOCK_N)
     rows = (lo + offs) * HKV  # int32: the launcher checks Lk * HKV * D < 2^31
-    k_ptrs = _as_fp8(k_f8) + kv_base * D + rows[:, None] * D + cols[None, :]
+    k_ptrs = _tile_ptr(k_f8, FMT) + kv_base * D + rows[:, None] * D + cols[None, :]
     v_ptrs = v_ptr + kv_base * D + rows[:, None] * D + cols[None, :]
     # V^T rows are padded to a multiple of 16 bytes; saying so lets loads vectorize
     # also where Lk is not specialised (jax-triton passes it as a plain int).
@@ -117,12 +131,21 @@ def _attend_run(
                 ka = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)
             else:
                 ka = tl.load(k_ptrs)
-            # FP8 x FP8 with both operands K-major (D contiguous); fp32 result.
-            s = tl.dot(qa, tl.trans(ka), out_dtype=tl.float32)
-            # K's copy has one scale per key tile (BLOCK_N divides TILE): with Q's
-            # token scale it is a row factor. A per-key factor would cost a vector
-            # in the score layout, which pushed the loop into register spills.
-            s = s * (qt * tl.load(k_ts + kts_base + (n0 // _TILE) * HKV))[:, None]
+            if FMT == "input":
+                # The unquantized baseline: qt is the softmax fold, applied to the
+                # fp32 scores rather than rounded into Q.
+                if DOT_F32:
+                    s = tl.dot(qa.to(tl.float32), tl.trans(ka.to(tl.float32)), input_precision="ieee")
+                else:
+                    s = tl.dot(qa, tl.trans(ka), out_dtype=tl.float32)
+                s = s * qt
+            else:
+                # FP8 x FP8 with both operands K-major (D contiguous); fp32 result.
+                s = tl.dot(qa, tl.trans(ka), out_dtype=tl.float32)
+                # K's copy has one scale per key tile (BLOCK_N divides TILE): with Q's
+                # token scale it is a row factor. A per-key factor would cost a vector
+                # in the score layout, which pushed the loop into register spills.
+                s = s * (qt * tl.load(k_ts + kts_base + (n0 // _TILE) * HKV))[:, None]
         if NATIVE and NV:
             s = (s * qt[:, None]) * kt[None, :]
         if MASK:
@@ -167,7 +190,7 @@ def _attend_run(
                 pv_in = round_to_bf16(pr).to(tl.bfloat16)
             else:
                 pv_in = pr.to(v.dtype)
-            if PV_F32:
+            if DOT_F32:
                 pv = tl.dot(pv_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
             else:
                 pv = tl.dot(pv_in, v, out_dtype=tl.float32)
@@ -186,17 +209,17 @@ def _attend_keys(
     kv_base, kts_base, vt_base, Lk, HKV, lo, hi, safe,
     D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     FMT: tl.constexpr, NV: tl.constexpr, NATIVE: tl.constexpr,
-    PV_FP8: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    PV_FP8: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """One run of keys [lo, hi) in one format: the blocks below ``safe`` unmasked,
     the rest masked."""
     split = tl.minimum(tl.maximum(lo, safe), hi)
     acc, m_i, l_i = _attend_run(acc, m_i, l_i, qa, qs, qt, p, k_codes, k_scales, k_token, k_f8, k_ts,
                                 v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, lo, split,
-                                D, BLOCK_N, CAUSAL, False, FMT, NV, NATIVE, PV_FP8, PV_F32, FIX_BF16)
+                                D, BLOCK_N, CAUSAL, False, FMT, NV, NATIVE, PV_FP8, DOT_F32, FIX_BF16)
     return _attend_run(acc, m_i, l_i, qa, qs, qt, p, k_codes, k_scales, k_token, k_f8, k_ts,
                        v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, split, hi,
-                       D, BLOCK_N, CAUSAL, True, FMT, NV, NATIVE, PV_FP8, PV_F32, FIX_BF16)
+                       D, BLOCK_N, CAUSAL, True, FMT, NV, NATIVE, PV_FP8, DOT_F32, FIX_BF16)
 
 
 @triton.jit
@@ -204,15 +227,19 @@ def _dma_attention_kernel(
     qh_codes, qh_scales, ql_codes, ql_scales, ql_token, qh_f8, qh_ts, ql_f8, ql_ts,
     kh_codes, kh_scales, kl_codes, kl_scales, kl_token, kh_f8, kh_ts, kl_f8, kl_ts,
     v_ptr, vt_ptr, v_scale,
-    Lq, Lk, HQ, HKV, q_offset, block0, diag, sink,
+    Lq, Lk, HQ, HKV, q_offset, block0, diag, sink, qk_scale,
     o_ptr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     HI_FMT: tl.constexpr, LO_NV: tl.constexpr, NATIVE_HI: tl.constexpr, NATIVE_LO: tl.constexpr,
-    HAS_LO: tl.constexpr, PV_FP8: tl.constexpr, PV_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    HAS_LO: tl.constexpr, PV_FP8: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """q operands [B, Lq, HQ, ·], k operands and v [B, Lk, HKV, ·], o [B, Lq, HQ, D];
     vt [B, HKV, D, Lk rounded up to 16] and v_scale [B, HKV, D] for the FP8 P·V. HAS_LO=False when
-    every pair is high precision (the low copies were not written)."""
+    every pair is high precision (the low copies were not written).
+
+    HI_FMT "input" (with HAS_LO=False) is the unquantized baseline: ``qh_f8`` and
+    ``kh_f8`` are Q and K themselves and ``qk_scale`` the softmax fold
+    ``sm_scale · log2(e)``, which the quantized paths have already folded into Q."""
     if CAUSAL:
         # Later query blocks see more keys: start them first so the tail is short.
         m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -230,6 +257,8 @@ def _dma_attention_kernel(
     q_rows = ((b * Lq + r) * HQ + h).to(tl.int64)
     qh_a, qh_s, qh_t = _load_operand(qh_codes, qh_scales, ql_token, qh_f8, qh_ts, q_rows, row_ok, D,
                                      HI_FMT, False, NATIVE_HI)
+    if HI_FMT == "input":
+        qh_t = qk_scale
     if HAS_LO:
         ql_a, ql_s, ql_t = _load_operand(ql_codes, ql_scales, ql_token, ql_f8, ql_ts, q_rows, row_ok, D,
                                          "e2m1", LO_NV, NATIVE_LO)
@@ -260,18 +289,18 @@ def _dma_attention_kernel(
     k3 = tl.minimum(b3 * _TILE, kend)
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, qh_a, qh_s, qh_t, p, kh_codes, kh_scales, kl_token, kh_f8, kh_ts,
                                  v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, 0, k1, safe, D, BLOCK_N, CAUSAL,
-                                 HI_FMT, False, NATIVE_HI, PV_FP8, PV_F32, FIX_BF16)
+                                 HI_FMT, False, NATIVE_HI, PV_FP8, DOT_F32, FIX_BF16)
     if HAS_LO:
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, ql_a, ql_s, ql_t, p, kl_codes, kl_scales, kl_token, kl_f8,
                                      kl_ts, v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k1, k2, safe,
-                                     D, BLOCK_N, CAUSAL, "e2m1", LO_NV, NATIVE_LO, PV_FP8, PV_F32, FIX_BF16)
+                                     D, BLOCK_N, CAUSAL, "e2m1", LO_NV, NATIVE_LO, PV_FP8, DOT_F32, FIX_BF16)
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, qh_a, qh_s, qh_t, p, kh_codes, kh_scales, kl_token, kh_f8, kh_ts,
                                  v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k2, k3, safe, D, BLOCK_N, CAUSAL,
-                                 HI_FMT, False, NATIVE_HI, PV_FP8, PV_F32, FIX_BF16)
+                                 HI_FMT, False, NATIVE_HI, PV_FP8, DOT_F32, FIX_BF16)
     if HAS_LO and not CAUSAL:
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, ql_a, ql_s, ql_t, p, kl_codes, kl_scales, kl_token, kl_f8,
                                      kl_ts, v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k3, kend, safe,
-                                     D, BLOCK_N, CAUSAL, "e2m1", LO_NV, NATIVE_LO, PV_FP8, PV_F32, FIX_BF16)
+                                     D, BLOCK_N, CAUSAL, "e2m1", LO_NV, NATIVE_LO, PV_FP8, DOT_F32, FIX_BF16)
     cols = tl.arange(0, D)
     if PV_FP8:
         acc = acc * tl.load(v_scale + (b * HKV + kvh) * D + cols)[None, :]
@@ -340,10 +369,15 @@ def launch_config(head_dim: int, causal: bool, pv_fp8: bool,
     return DEFAULT_LAUNCH
 
 
+def band_covering_all(q_len: int, kv_len: int, q_offset: int) -> int:
+    """The narrowest diagonal band (in tiles) that covers every (query, key) tile pair."""
+    first, last = min(0, q_offset), max(kv_len - 1, q_offset + q_len - 1)
+    return (last - first) // TILE + 2
+
+
 def all_high(q_len: int, kv_len: int, q_offset: int, diag: int) -> bool:
     """True when the diagonal band covers every (query, key) tile pair."""
-    first, last = min(0, q_offset), max(kv_len - 1, q_offset + q_len - 1)
-    return diag > (last - first) // TILE + 1
+    return diag >= band_covering_all(q_len, kv_len, q_offset)
 
 
 def check_extent(kv_len: int, kv_heads: int, head_dim: int) -> None:
@@ -361,14 +395,17 @@ def query_blocks(q_len: int, q_offset: int, block_m: int) -> tuple[int, int]:
 
 
 def attention_meta(head_dim: int, *, causal: bool, high: str, low: str, native: tuple[bool, bool],
-                   has_lo: bool, pv_fp8: bool, v_dtype_is_f32: bool, interpret: bool,
+                   has_lo: bool, pv_fp8: bool, f32_inputs: bool, interpret: bool,
                    launch: LaunchConfig) -> dict:
-    """Constexpr arguments of ``_dma_attention_kernel``; ``native``: (high, low) tiles."""
+    """Constexpr arguments of ``_dma_attention_kernel``; ``native``: (high, low) tiles.
+    ``high="input"``: Q·Kᵀ on the unquantized inputs (``input_attention``)."""
     return dict(
         D=head_dim, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, CAUSAL=causal,
-        HI_FMT="e5m2" if high == "mxfp8_e5m2" else "e4m3",
+        HI_FMT={"mxfp8_e5m2": "e5m2", "input": "input"}.get(high, "e4m3"),
         LO_NV=low == "nvfp4", NATIVE_HI=native[0], NATIVE_LO=native[1], HAS_LO=has_lo, PV_FP8=pv_fp8,
-        PV_F32=v_dtype_is_f32 or interpret, FIX_BF16=interpret,
+        # fp32 operands at IEEE precision: for fp32 inputs, and in the interpreter,
+        # whose tl.dot reads bf16 tiles as integers.
+        DOT_F32=f32_inputs or interpret, FIX_BF16=interpret,
     )
 
 
@@ -390,6 +427,28 @@ def operands(x8) -> tuple:
     return tuple(spare if f is None else f for f in fields)
 
 
+def _launch(q_args: tuple, k_args: tuple, v: torch.Tensor, vt, v_scale, *, q_len: int, q_heads: int,
+            causal: bool, q_offset: int, diag: int, sink: int, qk_scale: float, launch: LaunchConfig | None,
+            **meta) -> torch.Tensor:
+    """One launch of ``_dma_attention_kernel``: the nine Q and nine K operand arguments,
+    V ``[B, Lk, HKV, D]``; ``meta`` is ``attention_meta``'s without the launch."""
+    b, kv_len, hkv, d = v.shape
+    check_extent(kv_len, hkv, d)
+    pv_fp8 = vt is not None
+    capability = torch.cuda.get_device_capability(v.device) if v.is_cuda else None
+    launch = launch or launch_config(d, causal, pv_fp8, capability)
+    n_m, block0 = query_blocks(q_len, q_offset, launch.block_m)
+    out = torch.empty((b, q_len, q_heads, d), dtype=v.dtype, device=v.device)
+    _dma_attention_kernel[(n_m, q_heads, b)](
+        *q_args, *k_args, v, vt if pv_fp8 else v, v_scale if pv_fp8 else v,
+        q_len, kv_len, q_heads, hkv, q_offset, block0, diag, sink, qk_scale, out,
+        **attention_meta(d, causal=causal, pv_fp8=pv_fp8, f32_inputs=v.dtype == torch.float32,
+                         interpret=interpreting(), launch=launch, **meta),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )
+    return out
+
+
 def mx_attention(
     q8, k8, v: torch.Tensor, *, q_len: int, causal: bool, q_offset: int, diag: int, sink: int,
     high: str, low: str, native: tuple[bool, bool], has_lo: bool = True, vt: torch.Tensor | None = None,
@@ -401,22 +460,25 @@ def mx_attention(
     with ``per_tile=True``); ``has_lo=False`` (all pairs high) means the low copies were not.
     ``vt`` / ``v_scale`` (from ``quantize.fp8_transpose``) select the FP8 P·V.
     """
-    b, kv_len, hkv, d = v.shape
-    check_extent(kv_len, hkv, d)
+    kv_len = v.shape[1]
     if k8.hi_ts is not None and k8.hi_ts.shape[1] != triton.cdiv(kv_len, TILE):
         raise ValueError(f"K's FP8 copies need one scale per {TILE}-key tile (dual_quantize(..., per_tile=True)); "
                          f"got scales of shape {tuple(k8.hi_ts.shape)} for kv_len {kv_len}")
     hq = q8.hi_ts.shape[2] if q8.hi_ts is not None else q8.hi_codes.shape[2]
-    pv_fp8 = vt is not None
-    capability = torch.cuda.get_device_capability(v.device) if v.is_cuda else None
-    launch = launch or launch_config(d, causal, pv_fp8, capability)
-    n_m, block0 = query_blocks(q_len, q_offset, launch.block_m)
-    out = torch.empty((b, q_len, hq, d), dtype=v.dtype, device=v.device)
-    _dma_attention_kernel[(n_m, hq, b)](
-        *operands(q8), *operands(k8), v, vt if pv_fp8 else v, v_scale if pv_fp8 else v,
-        q_len, kv_len, hq, hkv, q_offset, block0, diag, sink, out,
-        **attention_meta(d, causal=causal, high=high, low=low, native=native, has_lo=has_lo, pv_fp8=pv_fp8,
-                         v_dtype_is_f32=v.dtype == torch.float32, interpret=interpreting(), launch=launch),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )
-    return out
+    return _launch(operands(q8), operands(k8), v, vt, v_scale, q_len=q_len, q_heads=hq, causal=causal,
+                   q_offset=q_offset, diag=diag, sink=sink, qk_scale=1.0, launch=launch,
+                   high=high, low=low, native=native, has_lo=has_lo)
+
+
+def input_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, q_offset: int,
+                    qk_scale: float, launch: LaunchConfig | None = None) -> torch.Tensor:
+    """The same kernel with Q·Kᵀ on the unquantized inputs (and P·V as in DMA's
+    default): a plain flash attention, the baseline that shows what the MX copies
+    buy. ``q [B, Lq, HQ, D]``, ``k, v [B, Lk, HKV, D]`` contiguous, one dtype;
+    ``qk_scale`` is ``softmax_fold(sm_scale)``."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    q_len, kv_len = q.shape[1], k.shape[1]
+    return _launch((q,) * 9, (k,) * 9, v, None, None, q_len=q_len, q_heads=q.shape[2], causal=causal,
+                   q_offset=q_offset, diag=band_covering_all(q_len, kv_len, q_offset), sink=0, qk_scale=qk_scale, launch=launch,
+                   high="input", low="nvfp4", native=(False, False), has_lo=False)
