@@ -125,7 +125,7 @@ def triton_input_attention(q, k, v, *, causal: bool, sm_scale: float, q_offset: 
     batch, q_len, q_heads, dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     attn.check_extent(kv_len, kv_heads, dim)
-    launch = attn.launch_config(dim, causal, False, _capability())
+    launch = attn.launch_config(dim, causal, False, _capability(), unquantized=True)
     n_blocks, block0 = attn.query_blocks(q_len, q_offset, launch.block_m)
     meta = attn.attention_meta(
         dim, causal=causal, high="input", low="nvfp4", native=(False, False), has_lo=False, pv_fp8=False,

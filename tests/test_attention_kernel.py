@@ -268,3 +268,15 @@ def test_input_attention_rejects_mixed_dtypes():
     q, k, v = make(16, 1, 10, 10, 2, 1, 64, "fp16")
     with pytest.raises(ValueError, match="share a dtype"):
         input_attention(q, k, v.bfloat16(), causal=True, q_offset=0, qk_scale=1.0)
+
+
+@pytest.mark.parametrize("launch", [LaunchConfig(128, 128, 8, 3), LaunchConfig(64, 64, 4, 3)])
+def test_input_attention_launch_shapes(launch):
+    """The launch settings the sm_90 table picks for the unquantized baseline."""
+    q, k, v = make(17, 1, 200, 300, 4, 2, 128, "fp16")
+    for causal in (True, False):
+        out = input_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal, q_offset=100,
+                              qk_scale=softmax_fold(0.1), launch=launch)
+        ref = oracle.softmax_attention(*(x.float().numpy() for x in (q, k, v)), causal=causal, q_offset=100,
+                                       sm_scale=0.1)
+        assert oracle.rel_l2(out.float().cpu().numpy(), ref) <= 5e-4, causal

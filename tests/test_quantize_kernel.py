@@ -189,10 +189,12 @@ def test_e4m3_helpers_against_ml_dtypes():
 
 
 @triton.jit
-def _div_by_kernel(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
-    a = tl.load(a_ptr + tl.arange(0, N))
-    b = tl.load(b_ptr + tl.arange(0, N))
-    tl.store(out_ptr + tl.arange(0, N), div_by(a, b, tl.math.div_rn(tl.full((N,), 1.0, tl.float32), b)))
+def _div_by_kernel(a_ptr, b_ptr, out_ptr, BLOCK: tl.constexpr):
+    # Blocks of 4096: one program over all 2^20 pairs compiles for ever on a GPU.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + offs)
+    b = tl.load(b_ptr + offs)
+    tl.store(out_ptr + offs, div_by(a, b, tl.math.div_rn(tl.full((BLOCK,), 1.0, tl.float32), b)))
 
 
 def test_div_by_equals_correctly_rounded_division():
@@ -213,7 +215,7 @@ def test_div_by_equals_correctly_rounded_division():
     size = 1 << 20
     a, b = np.pad(a, (0, size - a.size), constant_values=1.0), np.pad(b, (0, size - b.size), constant_values=1.0)
     out = torch.empty(size, dtype=torch.float32, device=DEVICE)
-    _div_by_kernel[(1,)](torch.from_numpy(a).to(DEVICE), torch.from_numpy(b).to(DEVICE), out, N=size)
+    _div_by_kernel[(size // 4096,)](torch.from_numpy(a).to(DEVICE), torch.from_numpy(b).to(DEVICE), out, BLOCK=4096)
     got, want = out.cpu().numpy(), a / b
     normal = np.abs(want) >= np.finfo(np.float32).tiny
     np.testing.assert_array_equal(got[normal].view(np.uint32), want[normal].view(np.uint32))

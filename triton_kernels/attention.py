@@ -126,6 +126,9 @@ def _attend_run(
             k_rows = kv_base + (t * HKV).to(tl.int64)
             ka, ks, kt = _load_operand(k_codes, k_scales, k_token, k_f8, k_ts, k_rows, t_ok, D, FMT, NV, NATIVE)
             s = tl.dot_scaled(qa, qs, FMT, tl.trans(ka), ks, FMT)
+            if NV:
+                s = (s * qt[:, None]) * kt[None, :]
+            row = tl.full(m_i.shape, 1.0, tl.float32)
         else:
             if MASK:
                 ka = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)
@@ -138,22 +141,27 @@ def _attend_run(
                     s = tl.dot(qa.to(tl.float32), tl.trans(ka.to(tl.float32)), input_precision="ieee")
                 else:
                     s = tl.dot(qa, tl.trans(ka), out_dtype=tl.float32)
-                s = s * qt
+                row = tl.zeros_like(m_i) + qt
             else:
                 # FP8 x FP8 with both operands K-major (D contiguous); fp32 result.
                 s = tl.dot(qa, tl.trans(ka), out_dtype=tl.float32)
                 # K's copy has one scale per key tile (BLOCK_N divides TILE): with Q's
                 # token scale it is a row factor. A per-key factor would cost a vector
                 # in the score layout, which pushed the loop into register spills.
-                s = s * (qt * tl.load(k_ts + kts_base + (n0 // _TILE) * HKV))[:, None]
-        if NATIVE and NV:
-            s = (s * qt[:, None]) * kt[None, :]
+                row = qt * tl.load(k_ts + kts_base + (n0 // _TILE) * HKV)
         if MASK:
+            # Scale before masking: a zero row factor (an all-zero NVFP4 token) times
+            # -inf would be NaN.
+            s = s * row[:, None]
+            row = tl.full(m_i.shape, 1.0, tl.float32)
             valid = t_ok[None, :]
             if CAUSAL:
                 valid = valid & (t[None, :] <= p[:, None])
             s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Unmasked blocks keep the raw scores: the row factor (> 0) scales the row max
+        # exactly (rounding is monotonic) and goes into exp2's argument, one FMA per
+        # score instead of a multiply and a subtraction.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * row)
         if MASK:
             # A row that has seen no valid key yet keeps m = -inf: use 0 so P = 0, not NaN.
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -163,9 +171,9 @@ def _attend_run(
         if PV_FP8:
             # P times 2^8 (at most 256): small probabilities stay out of E4M3's
             # subnormals; l carries the same factor, so it cancels in acc / l.
-            pr = tl.exp2(s - (m_new_safe - 8.0)[:, None])
+            pr = tl.exp2(s * row[:, None] - (m_new_safe - 8.0)[:, None])
         else:
-            pr = tl.exp2(s - m_new_safe[:, None])
+            pr = tl.exp2(s * row[:, None] - m_new_safe[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
         if PV_FP8:
             if FIX_BF16:
@@ -359,12 +367,24 @@ LAUNCH_SM90 = {
     (64, True, True): LaunchConfig(64, 64, 4, 3),
 }
 SM90_FALLBACK = LaunchConfig(64, 128, 4, 3)
+# The unquantized baseline (``input_attention``, bf16 Q·Kᵀ and P·V) per (head_dim,
+# causal), from ``tune_attention.py --unquantized``: 510 / 468 TFLOP/s at 8k and
+# head_dim 128, 451 / 418 at 64; the MX table's 64/128/4/2 gave it 335 / 304.
+LAUNCH_SM90_UNQUANTIZED = {
+    (128, False): LaunchConfig(128, 128, 8, 3),
+    (128, True): LaunchConfig(64, 64, 4, 3),
+    (64, False): LaunchConfig(128, 64, 8, 3),
+    (64, True): LaunchConfig(64, 64, 4, 3),
+}
 
 
 def launch_config(head_dim: int, causal: bool, pv_fp8: bool,
-                  capability: tuple[int, int] | None) -> LaunchConfig:
-    """The launch settings for a GPU of compute ``capability`` (None: interpreter)."""
+                  capability: tuple[int, int] | None, unquantized: bool = False) -> LaunchConfig:
+    """The launch settings for a GPU of compute ``capability`` (None: interpreter);
+    ``unquantized``: for ``input_attention``."""
     if capability is not None and capability[0] == 9:
+        if unquantized:
+            return LAUNCH_SM90_UNQUANTIZED.get((head_dim, causal), SM90_FALLBACK)
         return LAUNCH_SM90.get((head_dim, causal, pv_fp8), SM90_FALLBACK)
     return DEFAULT_LAUNCH
 
@@ -436,7 +456,7 @@ def _launch(q_args: tuple, k_args: tuple, v: torch.Tensor, vt, v_scale, *, q_len
     check_extent(kv_len, hkv, d)
     pv_fp8 = vt is not None
     capability = torch.cuda.get_device_capability(v.device) if v.is_cuda else None
-    launch = launch or launch_config(d, causal, pv_fp8, capability)
+    launch = launch or launch_config(d, causal, pv_fp8, capability, unquantized=meta["high"] == "input")
     n_m, block0 = query_blocks(q_len, q_offset, launch.block_m)
     out = torch.empty((b, q_len, q_heads, d), dtype=v.dtype, device=v.device)
     _dma_attention_kernel[(n_m, q_heads, b)](
