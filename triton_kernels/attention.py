@@ -20,6 +20,8 @@ Q·Kᵀ per format:
   (``fp8_per_tile``), so each score row is scaled by one number. Decoding 4-bit codes inside the loop
   instead ran 4.3x slower on the H200 (NOTES.md).
 NVFP4's float32 per-token scales multiply the native score tile afterwards.
+``input_attention`` runs the same kernel with Q·Kᵀ on the unquantized inputs
+(format "input"): the bf16 baseline the benchmarks compare DMA with.
 
 Inputs are the outputs of ``triton_kernels.quantize`` (Q already carries
 ``sm_scale · log2(e)``; K is already smoothed). This module never imports JAX.
@@ -500,5 +502,6 @@ def input_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         raise ValueError(f"q, k and v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     q_len, kv_len = q.shape[1], k.shape[1]
     return _launch((q,) * 9, (k,) * 9, v, None, None, q_len=q_len, q_heads=q.shape[2], causal=causal,
-                   q_offset=q_offset, diag=band_covering_all(q_len, kv_len, q_offset), sink=0, qk_scale=qk_scale, launch=launch,
-                   high="input", low="nvfp4", native=(False, False), has_lo=False)
+                   q_offset=q_offset, diag=band_covering_all(q_len, kv_len, q_offset), sink=0,
+                   qk_scale=qk_scale, launch=launch, high="input", low="nvfp4", native=(False, False),
+                   has_lo=False)
