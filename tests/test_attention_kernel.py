@@ -21,7 +21,7 @@ import torch
 
 from dma_jax import DMAConfig, reference_attention
 from dma_jax.config import ALL_TILES
-from triton_kernels.attention import LaunchConfig, input_attention, mx_attention
+from triton_kernels.attention import LaunchConfig, all_high, band_covering_all, input_attention, mx_attention
 from triton_kernels.dma import dma_attention, softmax_fold
 from triton_kernels.quantize import channel_mean, dual_quantize
 
@@ -280,3 +280,28 @@ def test_input_attention_launch_shapes(launch):
         ref = oracle.softmax_attention(*(x.float().numpy() for x in (q, k, v)), causal=causal, q_offset=100,
                                        sm_scale=0.1)
         assert oracle.rel_l2(out.float().cpu().numpy(), ref) <= 5e-4, causal
+
+
+@pytest.mark.parametrize("q_len,kv_len,q_offset", [
+    (1, 1, 0), (300, 300, 0), (128, 1000, 872), (150, 300, -50), (200, 300, 200), (1, 385, 384),
+    (100, 50, -300), (64, 129, 1000),
+])
+def test_band_covering_all_is_the_narrowest(q_len, kv_len, q_offset):
+    """all_high (which lets the quantizer skip the low copies) holds from exactly the band
+    width at which the oracle's rule makes every (query, key) pair high, causal or not."""
+    p = q_offset + np.arange(q_len)[:, None]
+    t = np.arange(kv_len)[None, :]
+    need = next(d for d in range(1, 64) if oracle.is_high(p, t, False, d, 0).all())
+    assert band_covering_all(q_len, kv_len, q_offset) == need
+    assert all_high(q_len, kv_len, q_offset, need) and not all_high(q_len, kv_len, q_offset, need - 1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_narrowest_all_high_band_skips_the_low_copies(causal):
+    """At diag == band_covering_all the front end writes no low copies (has_lo=False) and
+    the kernel's high runs alone must still cover every key."""
+    q, k, v = make(18, 1, 150, 300, 2, 1, 64, "fp16")
+    diag = band_covering_all(150, 300, 150)
+    assert all_high(150, 300, 150, diag)
+    out, ref = kernel_vs_reference(q, k, v, causal=causal, config=DMAConfig(diag_tiles=diag, sink_tiles=0))
+    assert oracle.rel_l2(out, ref) <= 2e-3

@@ -392,9 +392,12 @@ def launch_config(head_dim: int, causal: bool, pv_fp8: bool,
 
 
 def band_covering_all(q_len: int, kv_len: int, q_offset: int) -> int:
-    """The narrowest diagonal band (in tiles) that covers every (query, key) tile pair."""
-    first, last = min(0, q_offset), max(kv_len - 1, q_offset + q_len - 1)
-    return (last - first) // TILE + 2
+    """The narrowest diagonal band (in tiles) that covers every (query, key) tile pair:
+    one more than the largest |query tile - key tile|, causal or not (tiles of
+    absolute positions, floored also below 0)."""
+    first_q, last_q = q_offset // TILE, (q_offset + q_len - 1) // TILE
+    last_k = (kv_len - 1) // TILE
+    return max(last_q, last_k - first_q) + 1
 
 
 def all_high(q_len: int, kv_len: int, q_offset: int, diag: int) -> bool:
