@@ -6,7 +6,8 @@ smooth-K mean reduction, the dual quantization (MXFP8 + NVFP4 or MXFP4) in its
 three output modes (the FP8 copies sm_90 reads with a scale per token as for Q
 or per 128-token tile as for K, the codes sm_100 reads) and V's transposed FP8
 copy. Bandwidth counts the bytes each kernel reads and
-writes. Prints a table, writes JSON.
+writes; times are medians (these launches take 13-150 µs, and means moved by a quarter
+between runs). Prints a table, writes JSON.
 
     python benchmarks/quantize.py [--shapes 1x8192x32x128,1x16384x8x128]
 """
@@ -39,6 +40,11 @@ def quantize_bytes(shape, low: str, mode: str) -> int:
     return n * d * 2 + written
 
 
+def bench(fn) -> float:
+    """Median milliseconds of ``fn`` (``do_bench``, L2 flushed between runs)."""
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
 MODES = {"fp8": dict(codes=False, fp8=True), "fp8_tile": dict(codes=False, fp8=True, per_tile=True),
          "codes": dict(codes=True, fp8=False)}
 
@@ -61,19 +67,18 @@ def main() -> None:
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3 + 1
         y = torch.empty_like(x)
         mean = channel_mean(x)
-        t_copy = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300)
-        t_mean = triton.testing.do_bench(lambda: channel_mean(x), warmup=50, rep=300)
+        t_copy = bench(lambda: y.copy_(x))
+        t_mean = bench(lambda: channel_mean(x))
         copy_bw = 2 * x.numel() * 2 / t_copy / 1e6
         row = {"shape": shape, "copy_ms": t_copy, "mean_ms": t_mean, "copy_GBps": copy_bw,
                "mean_GBps": x.numel() * 2 / t_mean / 1e6}
         cells = [f"{row['mean_GBps']:.0f} ({row['mean_GBps'] / copy_bw:.2f})"]
         for mode, low in itertools.product(MODES, ("nvfp4", "mxfp4")):
-            t = triton.testing.do_bench(lambda: dual_quantize(x, low=low, fold=0.127, mean=mean, **MODES[mode]),
-                                        warmup=50, rep=300)
+            t = bench(lambda: dual_quantize(x, low=low, fold=0.127, mean=mean, **MODES[mode]))
             bw = quantize_bytes(shape, low, mode) / t / 1e6
             row[f"{mode}_{low}_ms"], row[f"{mode}_{low}_GBps"] = t, bw
             cells.append(f"{bw:.0f} ({bw / copy_bw:.2f})")
-        t = triton.testing.do_bench(lambda: fp8_transpose(x), warmup=50, rep=300)
+        t = bench(lambda: fp8_transpose(x))
         bw = x.numel() * (2 + 2 + 1) / t / 1e6  # read twice (amax, values), write one byte
         row["v_transpose_ms"], row["v_transpose_GBps"] = t, bw
         cells.append(f"{bw:.0f} ({bw / copy_bw:.2f})")
