@@ -217,19 +217,6 @@ def dma_attention(q, k, v, *, causal=True, diag=1, sink=1, high="mxfp8_e4m3",
     return np.moveaxis(o, 3, 1).reshape(b, lq, hq, d)
 
 
-def softmax_attention(q, k, v, *, causal, q_offset, sm_scale):
-    """Unquantized softmax attention in float64; q [B, Lq, HQ, D], k, v [B, Lk, HKV, D]."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    rep = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", q, k) * sm_scale
-    if causal:
-        pos = q_offset + np.arange(q.shape[1])
-        s = np.where(np.arange(k.shape[1])[None, :] <= pos[:, None], s, -np.inf)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
-
-
 def rel_l2(a, b):
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)

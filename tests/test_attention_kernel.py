@@ -258,8 +258,8 @@ def test_input_attention_matches_float64(dtype, tol, b, lq, lk, hq, hkv, d, caus
     sm_scale = d**-0.5
     out = input_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal, q_offset=q_offset,
                           qk_scale=softmax_fold(sm_scale))
-    ref = oracle.softmax_attention(*(x.float().numpy() for x in (q, k, v)), causal=causal, q_offset=q_offset,
-                                   sm_scale=sm_scale)
+    ref = oracle.dma_attention(*(x.float() for x in (q, k, v)), causal=causal, diag=None, sm_scale=sm_scale,
+                               q_offset=q_offset)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert oracle.rel_l2(out.float().cpu().numpy(), ref) <= tol
 
@@ -277,8 +277,8 @@ def test_input_attention_launch_shapes(launch):
     for causal in (True, False):
         out = input_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal, q_offset=100,
                               qk_scale=softmax_fold(0.1), launch=launch)
-        ref = oracle.softmax_attention(*(x.float().numpy() for x in (q, k, v)), causal=causal, q_offset=100,
-                                       sm_scale=0.1)
+        ref = oracle.dma_attention(*(x.float() for x in (q, k, v)), causal=causal, diag=None, sm_scale=0.1,
+                                   q_offset=100)
         assert oracle.rel_l2(out.float().cpu().numpy(), ref) <= 5e-4, causal
 
 
