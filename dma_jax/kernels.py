@@ -56,7 +56,7 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
     """DMA through the Triton kernels; same contract as ``reference.dma_reference``
     (with ``operands="fp8"`` for the tiles that are not native)."""
     jt = import_jax_triton()
-    batch, q_len, q_heads, dim = q.shape
+    batch, q_len, _, dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     high, low = config.high, config.low
     attn.check_extent(kv_len, kv_heads, dim)
@@ -102,17 +102,10 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
                        _sds((batch, kv_heads, dim), np.float32)],
             grid=quant.transpose_grid(v.shape), D=dim, BLOCK_T=quant.TRANSPOSE_BLOCK_T,
         )
-    launch = attn.launch_config(dim, causal, pv_fp8, capability)
-    n_blocks, block0 = attn.query_blocks(q_len, q_offset, launch.block_m)
-    meta = attn.attention_meta(
-        dim, causal=causal, high=high, low=low, native=native, has_lo=has_lo, pv_fp8=pv_fp8,
-        f32_inputs=q.dtype == jnp.float32, interpret=False, launch=launch,
-    )
-    return jt.triton_call(
-        *q8, *k8, v, vt, v_scale, q_len, kv_len, q_heads, kv_heads, q_offset, block0,
-        config.diag_tiles, config.sink_tiles, np.float32(1.0), kernel=attn._dma_attention_kernel,
-        out_shape=_sds(q.shape, q.dtype), grid=(n_blocks, q_heads, batch),
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **meta,
+    return _attention_call(
+        jt, q8, k8, v, vt, v_scale, q=q, causal=causal, q_offset=q_offset, diag=config.diag_tiles,
+        sink=config.sink_tiles, qk_scale=1.0, launch=attn.launch_config(dim, causal, pv_fp8, capability),
+        high=high, low=low, native=native, has_lo=has_lo, pv_fp8=pv_fp8,
     )
 
 
@@ -121,19 +114,30 @@ def triton_input_attention(q, k, v, *, causal: bool, sm_scale: float, q_offset: 
     attention, one launch, the baseline of ``benchmarks/attention.py``
     (``triton_kernels.attention.input_attention`` is its torch twin). Same shapes
     and ``q_offset`` as ``dma_jax.attention``; no smoothing, no quantization."""
-    jt = import_jax_triton()
-    batch, q_len, q_heads, dim = q.shape
+    q_len, dim = q.shape[1], q.shape[3]
     kv_len, kv_heads = k.shape[1], k.shape[2]
     attn.check_extent(kv_len, kv_heads, dim)
-    launch = attn.launch_config(dim, causal, False, _capability(), unquantized=True)
-    n_blocks, block0 = attn.query_blocks(q_len, q_offset, launch.block_m)
-    meta = attn.attention_meta(
-        dim, causal=causal, high="input", low="nvfp4", native=(False, False), has_lo=False, pv_fp8=False,
-        f32_inputs=q.dtype == jnp.float32, interpret=False, launch=launch,
+    return _attention_call(
+        import_jax_triton(), (q,) * 9, (k,) * 9, v, v, v, q=q, causal=causal, q_offset=q_offset,
+        diag=attn.band_covering_all(q_len, kv_len, q_offset), sink=0, qk_scale=softmax_fold(sm_scale),
+        launch=attn.launch_config(dim, causal, False, _capability(), unquantized=True),
+        high="input", low="nvfp4", native=(False, False), has_lo=False, pv_fp8=False,
     )
+
+
+def _attention_call(jt, q_args, k_args, v, vt, v_scale, *, q, causal: bool, q_offset: int, diag: int, sink: int,
+                    qk_scale: float, launch: attn.LaunchConfig, **formats):
+    """One ``_dma_attention_kernel`` launch through jax-triton (the twin of the torch
+    launcher ``triton_kernels.attention._launch``): the nine Q and nine K operand
+    arguments, V, the FP8 P·V's V^T and scale; ``q`` gives the output's shape and dtype;
+    ``formats`` are ``attention_meta``'s format switches."""
+    batch, q_len, q_heads, dim = q.shape
+    kv_len, kv_heads = v.shape[1], v.shape[2]
+    n_blocks, block0 = attn.query_blocks(q_len, q_offset, launch.block_m)
+    meta = attn.attention_meta(dim, causal=causal, f32_inputs=q.dtype == jnp.float32, interpret=False,
+                               launch=launch, **formats)
     return jt.triton_call(
-        *(q,) * 9, *(k,) * 9, v, v, v, q_len, kv_len, q_heads, kv_heads, q_offset, block0,
-        attn.band_covering_all(q_len, kv_len, q_offset), 0, np.float32(softmax_fold(sm_scale)),
-        kernel=attn._dma_attention_kernel, out_shape=_sds(q.shape, q.dtype), grid=(n_blocks, q_heads, batch),
-        num_warps=launch.num_warps, num_stages=launch.num_stages, **meta,
+        *q_args, *k_args, v, vt, v_scale, q_len, kv_len, q_heads, kv_heads, q_offset, block0, diag, sink,
+        np.float32(qk_scale), kernel=attn._dma_attention_kernel, out_shape=_sds(q.shape, q.dtype),
+        grid=(n_blocks, q_heads, batch), num_warps=launch.num_warps, num_stages=launch.num_stages, **meta,
     )
