@@ -52,21 +52,25 @@ def main() -> None:
                                                pv_modes):
         g = torch.Generator(device="cuda").manual_seed(d)
         q, k, v = (torch.randn(1, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-        q8 = dual_quantize(q, fold=softmax_fold(d**-0.5), codes=False, fp8=True)
-        k8 = dual_quantize(k, mean=channel_mean(k), codes=False, fp8=True, per_tile=True)
-        vt, v_scale = fp8_transpose(v) if pv_fp8 else (None, None)
-        flops = 4 * s * s * hq * d / (2 if causal else 1)
-        timings = {}
-        for launch in CANDIDATES:
-            def run():
-                if args.unquantized:
-                    return input_attention(q, k, v, causal=causal, q_offset=0, qk_scale=softmax_fold(d**-0.5),
-                                           launch=launch)
+        if args.unquantized:
+            fold = softmax_fold(d**-0.5)
+
+            def attend(launch):
+                return input_attention(q, k, v, causal=causal, q_offset=0, qk_scale=fold, launch=launch)
+        else:
+            q8 = dual_quantize(q, fold=softmax_fold(d**-0.5), codes=False, fp8=True)
+            k8 = dual_quantize(k, mean=channel_mean(k), codes=False, fp8=True, per_tile=True)
+            vt, v_scale = fp8_transpose(v) if pv_fp8 else (None, None)
+
+            def attend(launch):
                 return mx_attention(q8, k8, v, q_len=s, causal=causal, q_offset=0, diag=1, sink=1,
                                     high="mxfp8_e4m3", low="nvfp4", native=(False, False), vt=vt,
                                     v_scale=v_scale, launch=launch)
+        flops = 4 * s * s * hq * d / (2 if causal else 1)
+        timings = {}
+        for launch in CANDIDATES:
             try:
-                timings[launch] = triton.testing.do_bench(run, warmup=10, rep=100)
+                timings[launch] = triton.testing.do_bench(lambda: attend(launch), warmup=10, rep=100)
             except Exception as err:  # e.g. out of shared memory for this shape
                 print(f"  {launch}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
         best = min(timings, key=timings.get)
