@@ -16,17 +16,13 @@ shared memory as Triton compiled it (torch launch). Prints a table and writes
 profile of exactly those launches::
 
     python benchmarks/profile_attention.py [--seq 8192]
-    ncu --clock-control none -k regex:_dma_attention -c 4 \\
-        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,\\
-    smsp__issue_active.avg.pct_of_peak_sustained_active,\\
-    sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,\\
-    sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,\\
-    sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active" \\
+    ncu --clock-control none -k regex:_dma_attention -c 2 --metrics "$METRICS" \\
         python benchmarks/profile_attention.py --once
 
-(``results/ncu_attention_h200.txt`` is the output of this command plus the duration;
-the four launches
-are default non-causal, default causal, preset non-causal, preset causal.)
+with METRICS the comma-separated list in ``results/ncu_attention_h200.txt`` (issue
+activity, the MUFU/FMA/ALU/shared (MMA) pipes, active warps, occupancy limits, the main
+stall reasons). The launches come in the order default non-causal, default causal, preset
+non-causal, preset causal; that file (session 7) holds the first, ncu failed on the second.
 """
 
 from __future__ import annotations

@@ -6,10 +6,21 @@ smooth-K mean reduction, the dual quantization (MXFP8 + NVFP4 or MXFP4) in its
 three output modes (the FP8 copies sm_90 reads with a scale per token as for Q
 or per 128-token tile as for K, the codes sm_100 reads) and V's transposed FP8
 copy. Bandwidth counts the bytes each kernel reads and
-writes; times are medians (these launches take 13-150 µs, and means moved by a quarter
-between runs). Prints a table, writes JSON.
+writes. Times are medians of CUDA-graph replays (``do_bench_cudagraph``): these launches
+take tens of µs, less than the host time of a torch launcher call (output allocation and
+Triton's argument binding), which timed call by call was most of what session 6's table
+measured (NOTES.md). The replays do not flush L2 between calls; the default shapes' inputs
+(64-128 MiB) are larger than the H200's 50 MiB L2. Prints a table, writes JSON.
 
     python benchmarks/quantize.py [--shapes 1x8192x32x128,1x16384x8x128]
+
+``--once`` launches the sm_90 modes once each at 8k tokens (Q with 32 heads: NVFP4 and MXFP4
+low copies, a scale per token; K with 8 heads: NVFP4, a scale per 128-token tile) and exits,
+for a hardware profile (``results/ncu_quantize_h200.txt``, metrics as for
+``profile_attention.py``)::
+
+    ncu --clock-control none -k regex:_dual_quantize -c 3 --metrics "$METRICS" \\
+        python benchmarks/quantize.py --once
 """
 
 from __future__ import annotations
@@ -41,8 +52,8 @@ def quantize_bytes(shape, low: str, mode: str) -> int:
 
 
 def bench(fn) -> float:
-    """Median milliseconds of ``fn`` (``do_bench``, L2 flushed between runs)."""
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+    """Median milliseconds of ``fn``'s GPU work, replayed as a CUDA graph (no host time)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
 
 
 MODES = {"fp8": dict(codes=False, fp8=True), "fp8_tile": dict(codes=False, fp8=True, per_tile=True),
@@ -53,9 +64,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1x8192x32x128,1x16384x32x128,4x4096x8x128,1x8192x32x64")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--once", action="store_true", help="launch the sm_90 modes once (for ncu) and exit")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/quantize.py needs a CUDA GPU")
+    if args.once:
+        q = torch.randn((1, 8192, 32, 128), device="cuda", dtype=torch.bfloat16) * 3 + 1
+        k = torch.randn((1, 8192, 8, 128), device="cuda", dtype=torch.bfloat16) * 3 + 1
+        for low in ("nvfp4", "mxfp4"):
+            dual_quantize(q, low=low, fold=0.127, **MODES["fp8"])
+        dual_quantize(k, mean=channel_mean(k), **MODES["fp8_tile"])
+        torch.cuda.synchronize()
+        return
     rows = []
     cols = [f"{mode} {low}" for mode in MODES for low in ("nvfp4", "mxfp4")]
     print("GB/s (fraction of copy bandwidth); fp8 = the sm_90 copies (Q), fp8_tile = with one scale per "

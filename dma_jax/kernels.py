@@ -100,7 +100,7 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
             v, channel_partials(v, True), kv_len, kv_heads, n_chunks, kernel=quant._fp8_transpose_kernel,
             out_shape=[_sds((batch, kv_heads, dim, quant.padded_length(kv_len)), np.uint8),
                        _sds((batch, kv_heads, dim), np.float32)],
-            grid=quant.transpose_grid(v.shape), D=dim, BLOCK_T=quant.TRANSPOSE_BLOCK_T,
+            grid=quant.transpose_grid(v.shape), D=dim, BLOCK_T=quant.TRANSPOSE_BLOCK_T, HW_CVT=True,
         )
     return _attention_call(
         jt, q8, k8, v, vt, v_scale, q=q, causal=causal, q_offset=q_offset, diag=config.diag_tiles,

@@ -19,8 +19,9 @@ import triton.language as tl
 from dma_jax import quantize
 from dma_jax.formats import FORMATS as JAX_FORMATS
 from dma_jax.formats import fp8_per_channel, fp8_per_tile, fp8_per_token
-from triton_kernels.mx import div_by, e4m3_code, round_e4m3_on_grid_or_small
-from triton_kernels.quantize import FORMATS, channel_mean, dual_quantize, fp8_transpose
+from triton_kernels.attention import interpreting
+from triton_kernels.mx import div_by, e4m3_code, round_e4m3, round_e4m3_on_grid_or_small
+from triton_kernels.quantize import FORMATS, channel_mean, dual_quantize, fp8_transpose, quantize_meta
 
 from conftest import HAS_CUDA
 
@@ -186,6 +187,40 @@ def test_e4m3_helpers_against_ml_dtypes():
     out = torch.empty(n, dtype=torch.uint8, device=DEVICE)
     _e4m3_bytes_kernel[(1,)](torch.from_numpy(y).to(DEVICE), out, N=n)
     np.testing.assert_array_equal(out.cpu().numpy(), y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+
+@triton.jit
+def _round_e4m3_kernel(v_ptr, out_ptr, N: tl.constexpr, HW: tl.constexpr):
+    v = tl.load(v_ptr + tl.arange(0, N))
+    tl.store(out_ptr + tl.arange(0, N), round_e4m3(v, HW))
+
+
+def test_round_e4m3_against_ml_dtypes():
+    """E4M3 rounding as the quantizer does it where it runs (the GPU's conversion
+    instruction natively, the integer emulation in the interpreter) equals ml_dtypes'
+    nearest-even E4M3 rounding with saturation at 448: random magnitudes over the whole
+    range, every midpoint between E4M3 values (ties), subnormals, signed zeros and values
+    past 448."""
+    grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    grid = np.unique(np.abs(grid[np.isfinite(grid)]))
+    mids = (grid[1:] + grid[:-1]) / 2
+    rng = np.random.default_rng(12)
+    wide = rng.standard_normal(3000) * np.exp2(rng.uniform(-14, 10, 3000))
+    v = np.concatenate([grid, -grid, mids, -mids, wide, [0.0, -0.0, 449.0, 463.9, 464.0, 1e6, -1e6, -1e-30]])
+    n = 8192
+    v = np.concatenate([v, np.zeros(n - v.size)]).astype(np.float32)
+    out = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    _round_e4m3_kernel[(1,)](torch.from_numpy(v).to(DEVICE), out, N=n, HW=not interpreting())
+    want = np.clip(v, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(out.cpu().numpy().view(np.uint32), want.view(np.uint32))
+
+
+def test_quantize_meta_picks_the_conversion_instruction_on_gpus():
+    """Compiled for a GPU (the JAX lowering's default), the E4M3 rounding is the conversion
+    instruction; for Triton's interpreter, whose conversion does not round to nearest, it
+    is the emulation. The torch launcher asks for the latter exactly when interpreting."""
+    assert quantize_meta(128, "mxfp8_e4m3", "nvfp4", False, codes=False, fp8=True)["HW_CVT"] is True
+    assert quantize_meta(128, "mxfp8_e4m3", "nvfp4", False, codes=False, fp8=True, interpret=True)["HW_CVT"] is False
 
 
 @triton.jit

@@ -8,7 +8,9 @@ sm_90 it writes E4M3 copies instead; K's share one scale per 128-key tile, so a
 K program covers a whole tile and reads it twice (the scale first). The numerics are those
 of ``dma_jax.formats`` (DESIGN.md §3.1) bit for bit: element rounding is done
 with integer bit manipulation and a round-half-even trick, divisions with
-``div_rn``, never with float8 casts of unrepresentable values.
+``div_rn``. The one exception is E4M3 rounding on a GPU, where the conversion
+instruction rounds to nearest even with saturation as the formats do
+(``mx.round_e4m3``; Triton's interpreter, which does not, keeps the emulation).
 
 Smooth-K needs the mean over all valid tokens before any tile can be quantized,
 so it is a separate reduction launch (``channel_mean``); K is read twice.
@@ -24,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import TILE
-from .mx import (abs_max, div_by, e4m3_code, element_code, exponent, flush_subnormals, pow2, round_e4m3_on_grid_or_small,
-                 round_to_element)
+from .attention import TILE, interpreting
+from .mx import (abs_max, div_by, e4m3_code, element_code, exponent, flush_subnormals, nan_max, pow2, round_e4m3,
+                 round_e4m3_on_grid_or_small, round_to_element)
 
 # Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
 # Kept in step with dma_jax.formats.FORMATS (a test checks it).
@@ -56,7 +58,7 @@ def _token_reference(amax, EMAX: tl.constexpr, NVFP4: tl.constexpr):
 
 @triton.jit
 def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4: tl.constexpr,
-              PER_TILE: tl.constexpr):
+              PER_TILE: tl.constexpr, HW_CVT: tl.constexpr):
     """The E4M3 copy of one quantized [T, NB, BLOCK] tile (as float32), its scale
     (float32 per token; unused when PER_TILE) and which tokens are finite, as
     ``dma_jax.formats.fp8_per_token`` / ``fp8_per_tile`` define them.
@@ -66,6 +68,7 @@ def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4:
     exact unless an element drops into E4M3's subnormals. NVFP4 rounds
     ``e · sb / 8`` (per tile times ``s2 / s2_max``) to E4M3, within 2^-4.
     ``tile_ref``: the tile's ``2^T`` (MX) or ``s2_max`` (NVFP4) when PER_TILE.
+    HW_CVT: E4M3 rounding by the GPU's conversion instruction (``mx.round_e4m3``).
     """
     token_ok = tl.min(finite.to(tl.int32), axis=1) > 0
     if NVFP4:
@@ -73,7 +76,7 @@ def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4:
         if PER_TILE:
             ratio = tl.math.div_rn(s2, tl.full(s2.shape, 1.0, tl.float32) * tile_ref)
             values = values * ratio[:, None, None]
-        values = round_to_element(values, 3, -6, 448.0)
+        values = round_e4m3(values, HW_CVT)
         token = s2 * 8.0
     else:
         if PER_TILE:
@@ -84,7 +87,10 @@ def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4:
             shift = tl.maximum(block_exp - t[:, None], -126)
         # r has at most 4 significant bits and |r * 2^shift| <= 448, so the product is
         # an E4M3 value unless it falls below E4M3's normal range.
-        values = round_e4m3_on_grid_or_small(r * pow2(shift)[:, :, None])
+        if HW_CVT:
+            values = round_e4m3(r * pow2(shift)[:, :, None], True)
+        else:
+            values = round_e4m3_on_grid_or_small(r * pow2(shift)[:, :, None])
         token = pow2(t)
     values = tl.where(finite[:, :, None], values, 0.0)
     return values, tl.where(token_ok, token, float("nan")), token_ok
@@ -97,7 +103,7 @@ def _quantize_tile(
     EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
     MAX_VALUE: tl.constexpr, BLOCK: tl.constexpr, NVFP4: tl.constexpr,
     BLOCK_T: tl.constexpr, D: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_FP8: tl.constexpr,
-    PER_TILE: tl.constexpr,
+    PER_TILE: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """Quantize a [BLOCK_T, D] float32 tile into one format and store it.
 
@@ -111,7 +117,8 @@ def _quantize_tile(
     amax = abs_max(xb, 2)  # [T, NB]
     if NVFP4:
         # NVFP4 per-token scale: the token amax maps onto 6 (E2M1 max) x 448 (E4M3 max).
-        s2 = tl.math.div_rn(abs_max(x, 1), tl.full((BLOCK_T,), 2688.0, tl.float32))
+        # (The token's amax is the largest of its block amaxes.)
+        s2 = tl.math.div_rn(nan_max(amax, 1), tl.full((BLOCK_T,), 2688.0, tl.float32))
         # A subnormal s2 counts as an all-zero token (as in dma_jax.formats).
         s2 = flush_subnormals(s2)
         s2 = tl.where(s2 == 0, 1.0, s2)
@@ -128,8 +135,8 @@ def _quantize_tile(
         # Signed zeros where the block scale is 0; +0 for NaN (its sign means nothing).
         zero = (xb.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
         zero = tl.where(xb == xb, zero, 0.0)
+        # Usable blocks are finite with s2 and sb normal, so v is finite (|v| <= 2688 * 2^9).
         v = tl.where(usable[:, :, None], v, zero)
-        v = tl.where((v == v) & (tl.abs(v) < float("inf")), v, 0.0)
         scale_code = tl.where(finite, element_code(sb, 4, 3, -6), 0x7F)
         block_exp = scale_code  # unused for NVFP4
         if WRITE_CODES:
@@ -142,9 +149,12 @@ def _quantize_tile(
         scale_code = tl.where(finite, block_exp + 127, 255)
         sb = amax  # unused for MX
         s2 = amax
-    r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
+    if MAN_BITS == 3 and EMIN == -6:  # E4M3 elements (MXFP8's default)
+        r = round_e4m3(v, HW_CVT)
+    else:
+        r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
     if WRITE_FP8:
-        values, token, token_ok = _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE)
+        values, token, token_ok = _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE, HW_CVT)
         f8 = tl.reshape(e4m3_code(values), (BLOCK_T, D))
         if PER_TILE:
             # The scale is shared by the tile: a non-finite token is E4M3 NaN (0x7F)
@@ -191,7 +201,7 @@ def _dual_quantize_kernel(
     HI_MAX: tl.constexpr, HI_BLOCK: tl.constexpr,
     LO_E: tl.constexpr, LO_M: tl.constexpr, LO_EMIN: tl.constexpr, LO_EMAX: tl.constexpr,
     LO_MAX: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NVFP4: tl.constexpr,
-    TILE_T: tl.constexpr, PER_TILE: tl.constexpr,
+    TILE_T: tl.constexpr, PER_TILE: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     """One program per (TILE_T tokens, head, batch) of x [B, L, H, D] (contiguous),
     quantized BLOCK_T tokens at a time.
@@ -231,11 +241,11 @@ def _dual_quantize_kernel(
         x = _prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D, SMOOTH)
         _quantize_tile(x, rows, cols, mask, hi_ref, hi_codes, hi_scales, lo_token, hi_f8, hi_ts,
                        HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D, WRITE_CODES, WRITE_FP8,
-                       PER_TILE)
+                       PER_TILE, HW_CVT)
         if WRITE_LO:
             _quantize_tile(x, rows, cols, mask, lo_ref, lo_codes, lo_scales, lo_token, lo_f8, lo_ts,
                            LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, BLOCK_T, D, WRITE_CODES,
-                           WRITE_FP8, PER_TILE)
+                           WRITE_FP8, PER_TILE, HW_CVT)
 
 
 @triton.jit
@@ -276,7 +286,7 @@ def _channel_mean_kernel(part_ptr, L, H, N_CHUNKS, mean_ptr, D: tl.constexpr):
 
 @triton.jit
 def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
-                          D: tl.constexpr, BLOCK_T: tl.constexpr):
+                          D: tl.constexpr, BLOCK_T: tl.constexpr, HW_CVT: tl.constexpr):
     """V for the FP8 P·V: E4M3 with a power-of-two scale per channel, stored
     transposed as [B, H, D, LP] (LP = L rounded up to 16, so that every row starts
     16-byte aligned and loads vectorize; columns past L are zero) as the K-major
@@ -298,7 +308,7 @@ def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
     mask = t < L
     x = tl.load(x_ptr + ((b * L + t) * H + h)[:, None] * D + cols[None, :], mask=mask[:, None], other=0.0)
     x = flush_subnormals(x.to(tl.float32))
-    values = round_to_element(x * pow2(-t_exp)[None, :], 3, -6, 448.0)
+    values = round_e4m3(x * pow2(-t_exp)[None, :], HW_CVT)
     values = tl.where(finite[None, :], values, 0.0)
     codes = tl.trans(e4m3_code(values))  # [D, BLOCK_T]
     # The padding columns [L, LP) get zeros (x was loaded as 0 there). Masking by
@@ -360,8 +370,10 @@ def transpose_grid(shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 
 def quantize_meta(head_dim: int, high: str, low: str, smooth: bool, *, codes: bool, fp8: bool,
-                  write_lo: bool = True, per_tile: bool = False, block_t: int = QUANTIZE_BLOCK_T) -> dict:
-    """Constexpr arguments of ``_dual_quantize_kernel``."""
+                  write_lo: bool = True, per_tile: bool = False, block_t: int = QUANTIZE_BLOCK_T,
+                  interpret: bool = False) -> dict:
+    """Constexpr arguments of ``_dual_quantize_kernel``; ``interpret``: for Triton's
+    interpreter (emulated E4M3 rounding instead of the GPU's conversion instruction)."""
     if per_tile and not fp8:
         raise ValueError("per_tile scales belong to the FP8 copies: it needs fp8=True")
     hi, lo = FORMATS[high], FORMATS[low]
@@ -369,7 +381,7 @@ def quantize_meta(head_dim: int, high: str, low: str, smooth: bool, *, codes: bo
         D=head_dim, BLOCK_T=block_t, SMOOTH=smooth, WRITE_CODES=codes, WRITE_FP8=fp8, WRITE_LO=write_lo,
         HI_E=hi[0], HI_M=hi[1], HI_EMIN=hi[2], HI_EMAX=hi[3], HI_MAX=hi[4], HI_BLOCK=hi[5],
         LO_E=lo[0], LO_M=lo[1], LO_EMIN=lo[2], LO_EMAX=lo[3], LO_MAX=lo[4], LO_BLOCK=lo[5],
-        LO_NVFP4=low == "nvfp4",
+        LO_NVFP4=low == "nvfp4", HW_CVT=not interpret,
     )
 
 
@@ -437,7 +449,7 @@ def fp8_transpose(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xt = torch.empty((b, h, d, padded_length(l)), dtype=torch.uint8, device=x.device)
     scale = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
     _fp8_transpose_kernel[transpose_grid(x.shape)](x, parts, l, h, n_chunks, xt, scale,
-                                                   D=d, BLOCK_T=TRANSPOSE_BLOCK_T)
+                                                   D=d, BLOCK_T=TRANSPOSE_BLOCK_T, HW_CVT=not interpreting())
     return xt, scale
 
 
@@ -471,7 +483,7 @@ def dual_quantize(
     _dual_quantize_kernel[quantize_grid(x.shape, block_t, per_tile)](
         x, mean if mean is not None else x, float(torch.tensor(fold, dtype=torch.float32)), l, h, *outs,
         **quantize_meta(d, high, low, mean is not None, codes=codes, fp8=fp8, write_lo=write_lo,
-                        per_tile=per_tile, block_t=block_t),
+                        per_tile=per_tile, block_t=block_t, interpret=interpreting()),
         num_warps=num_warps,
     )
     flags = written_outputs(low, codes=codes, fp8=fp8, write_lo=write_lo)
