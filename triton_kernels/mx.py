@@ -96,12 +96,16 @@ def round_e4m3(v, HW: tl.constexpr):
 
 
 @triton.jit
-def round_e4m3_on_grid_or_small(y):
+def round_e4m3_on_grid_or_small(y, HW: tl.constexpr):
     """``round_to_element(y, 3, -6, 448.0)`` for finite y that is either an E4M3 value
-    already or below E4M3's normal range (|y| < 2^-6): both round on E4M3's smallest
-    quantum 2^-9 (an E4M3 value is a multiple of it), so one fixed scale replaces the
-    per-element exponent arithmetic."""
-    return _round_to_quantum(y, 512.0, 0.001953125, y)
+    already or below E4M3's normal range (|y| < 2^-6). HW: ``round_e4m3``'s conversion
+    instruction. Otherwise both cases round on E4M3's smallest quantum 2^-9 (an E4M3
+    value is a multiple of it), so one fixed scale replaces the per-element exponent
+    arithmetic."""
+    if HW:
+        return round_e4m3(y, True)
+    else:
+        return _round_to_quantum(y, 512.0, 0.001953125, y)
 
 
 @triton.jit

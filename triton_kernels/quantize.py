@@ -87,10 +87,7 @@ def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4:
             shift = tl.maximum(block_exp - t[:, None], -126)
         # r has at most 4 significant bits and |r * 2^shift| <= 448, so the product is
         # an E4M3 value unless it falls below E4M3's normal range.
-        if HW_CVT:
-            values = round_e4m3(r * pow2(shift)[:, :, None], True)
-        else:
-            values = round_e4m3_on_grid_or_small(r * pow2(shift)[:, :, None])
+        values = round_e4m3_on_grid_or_small(r * pow2(shift)[:, :, None], HW_CVT)
         token = pow2(t)
     values = tl.where(finite[:, :, None], values, 0.0)
     return values, tl.where(token_ok, token, float("nan")), token_ok
