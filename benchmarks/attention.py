@@ -3,8 +3,8 @@
 In one run on one GPU, on the same bf16 inputs (batch 1, 32 query heads, 8 kv
 heads): DMA's default config and the Hopper preset (``DMAConfig.hopper_fast()``)
 through ``jax.jit(dma_jax.attention)`` (their time includes the smooth-K mean
-and the quantization; the quantization alone is also timed, through the torch
-launchers of the same kernels), our own bf16 path (the same kernel with Q·Kᵀ on
+and the quantization; those launches are also timed alone, through JAX as the call
+makes them: ``dma_jax.kernels.quantize_operands``), our own bf16 path (the same kernel with Q·Kᵀ on
 the bf16 inputs, ``dma_jax.kernels.triton_input_attention``), cuDNN and XLA through
 ``jax.nn.dot_product_attention``, cuDNN FP8 through JAX's private
 ``fused_attention_stablehlo`` API (FP8 inputs prepared outside the timing, FP8
@@ -36,12 +36,9 @@ import triton
 
 import dma_jax
 from dma_jax import DMAConfig, bridge
-from dma_jax.kernels import triton_input_attention
+from dma_jax.kernels import quantize_operands, triton_input_attention
 from dma_jax.metrics import error_metrics
 from dma_jax.synthetic import llm_like_qkv
-from triton_kernels.attention import all_high
-from triton_kernels.dma import softmax_fold
-from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
 
 Q_HEADS, KV_HEADS = 32, 8
 L2_BYTES = 60 * 2**20
@@ -81,14 +78,10 @@ def ours_bf16_fn(causal, sm_scale):
                                                           q_offset=k.shape[1] - q.shape[1]))
 
 
-def quantize_only(cfg: DMAConfig, q, k, v) -> None:
-    """The quantization launches of a DMA call on sm_90 (torch launchers)."""
-    write_lo = not all_high(q.shape[1], k.shape[1], 0, cfg.diag_tiles)
-    mean = channel_mean(k)
-    dual_quantize(q, fold=softmax_fold(q.shape[-1] ** -0.5), codes=False, fp8=True, write_lo=write_lo)
-    dual_quantize(k, mean=mean, codes=False, fp8=True, write_lo=write_lo, per_tile=True)
-    if cfg.pv == "fp8":
-        fp8_transpose(v)
+def quantize_fn(cfg: DMAConfig):
+    """The launches of a DMA call before its attention kernel (smooth-K mean, Q and K
+    copies, V's FP8 transpose), through JAX as the call makes them."""
+    return jax.jit(lambda q, k, v: quantize_operands(q, k, v, config=cfg, q_offset=k.shape[1] - q.shape[1]))
 
 
 def cudnn_fp8_setup(q, k, v):
@@ -149,8 +142,7 @@ def speed(dims, seqs, save) -> list[dict]:
 
         for name, cfg in CONFIGS.items():
             record(name, lambda: time_jax(dma_fn(cfg, causal), sets))
-            torch_sets = [[bridge.to_torch(x) for x in s] for s in sets]
-            row["quantize_ms"][name] = time_torch(lambda q, k, v, c=cfg: quantize_only(c, q, k, v), torch_sets)
+            row["quantize_ms"][name] = time_jax(quantize_fn(cfg), sets)
         record("ours_bf16", lambda: time_jax(ours_bf16_fn(causal, dim**-0.5), sets))
         record("cudnn_bf16", lambda: time_jax(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn")), sets))

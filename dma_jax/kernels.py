@@ -52,14 +52,26 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
-def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int):
-    """DMA through the Triton kernels; same contract as ``reference.dma_reference``
-    (with ``operands="fp8"`` for the tiles that are not native)."""
+def _copies(q_len: int, kv_len: int, q_offset: int, config: DMAConfig):
+    """(native tiles, whether any pair is low, which copies the quantize launches write)."""
+    capability = _capability()
+    native = attn.native_formats(capability, config.low)
+    has_lo = not attn.all_high(q_len, kv_len, q_offset, config.diag_tiles)
+    return capability, native, has_lo, dict(codes=any(native), fp8=not all(native), write_lo=has_lo)
+
+
+def quantize_operands(q, k, v, *, config: DMAConfig, q_offset: int):
+    """The launches of one DMA call before the attention kernel (the smooth-K mean, the
+    dual quantization of Q and of K, V's transposed FP8 copy for ``pv="fp8"``):
+    ``(q8, k8, vt, v_scale)``, Q's and K's nine kernel operands each, and V^T and its
+    per-channel scale (V itself for both where P·V reads V). ``benchmarks/attention.py``
+    times them alone."""
     jt = import_jax_triton()
     batch, q_len, _, dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     high, low = config.high, config.low
     attn.check_extent(kv_len, kv_heads, dim)
+    _, _, _, copies = _copies(q_len, kv_len, q_offset, config)
 
     def channel_partials(x, amax):
         grid, _, part_shape, _ = quant.mean_launches(x.shape)
@@ -76,11 +88,6 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
             out_shape=_sds((batch, kv_heads, dim), np.float32), grid=grid_mean, D=dim,
         )
 
-    capability = _capability()
-    native = attn.native_formats(capability, low)
-    has_lo = not attn.all_high(q_len, kv_len, q_offset, config.diag_tiles)
-    copies = dict(codes=any(native), fp8=not all(native), write_lo=has_lo)
-
     def dual(x, shift, fold, smooth, per_tile):
         return jt.triton_call(
             x, shift, np.float32(fold), x.shape[1], x.shape[2], kernel=quant._dual_quantize_kernel,
@@ -92,9 +99,8 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
     q8 = dual(q, q, softmax_fold(config.softmax_scale(dim)), False, False)
     # K's FP8 copies carry one scale per 128-key tile (formats.fp8_per_tile).
     k8 = dual(k, mean, 1.0, config.smooth_k, copies["fp8"])
-    pv_fp8 = config.pv == "fp8"
     vt = v_scale = v
-    if pv_fp8:
+    if config.pv == "fp8":
         _, _, _, n_chunks = quant.mean_launches(v.shape)
         vt, v_scale = jt.triton_call(
             v, channel_partials(v, True), kv_len, kv_heads, n_chunks, kernel=quant._fp8_transpose_kernel,
@@ -102,10 +108,20 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
                        _sds((batch, kv_heads, dim), np.float32)],
             grid=quant.transpose_grid(v.shape), D=dim, BLOCK_T=quant.TRANSPOSE_BLOCK_T, HW_CVT=True,
         )
+    return q8, k8, vt, v_scale
+
+
+def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int):
+    """DMA through the Triton kernels; same contract as ``reference.dma_reference``
+    (with ``operands="fp8"`` for the tiles that are not native)."""
+    q8, k8, vt, v_scale = quantize_operands(q, k, v, config=config, q_offset=q_offset)
+    capability, native, has_lo, _ = _copies(q.shape[1], k.shape[1], q_offset, config)
+    pv_fp8 = config.pv == "fp8"
     return _attention_call(
-        jt, q8, k8, v, vt, v_scale, q=q, causal=causal, q_offset=q_offset, diag=config.diag_tiles,
-        sink=config.sink_tiles, qk_scale=1.0, launch=attn.launch_config(dim, causal, pv_fp8, capability),
-        high=high, low=low, native=native, has_lo=has_lo, pv_fp8=pv_fp8,
+        import_jax_triton(), q8, k8, v, vt, v_scale, q=q, causal=causal, q_offset=q_offset,
+        diag=config.diag_tiles, sink=config.sink_tiles, qk_scale=1.0,
+        launch=attn.launch_config(q.shape[3], causal, pv_fp8, capability),
+        high=config.high, low=config.low, native=native, has_lo=has_lo, pv_fp8=pv_fp8,
     )
 
 

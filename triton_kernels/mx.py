@@ -23,24 +23,25 @@ def exponent(a):
 
 @triton.jit
 def flush_subnormals(x):
-    """float32 subnormals become zeros of the same sign (as ``dma_jax.formats``)."""
-    sign = (x.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(x) < FLOAT32_NORMAL_MIN, sign, x)
+    """float32 subnormals become zeros of the same sign (as ``dma_jax.formats``).
+    ``x * 0`` is that zero for every value it replaces: one FMA-pipe multiply instead
+    of an integer sign mask, since the integer pipe is the quantizer's bottleneck."""
+    return tl.where(tl.abs(x) < FLOAT32_NORMAL_MIN, x * 0.0, x)
 
 
 @triton.jit
 def div_by(a, b, rb):
     """``div_rn(a, b)`` for b > 0 whose reciprocal ``rb = div_rn(1, b)`` is a normal
     float, in one multiply and two FMAs (Markstein's correction) instead of a full
-    division per element. The corrected quotient is the correctly rounded one wherever
-    that is a normal float (no mismatch in 1.2e8 random pairs shaped like the
-    quantizer's, NOTES.md). Where ``a · rb`` is zero or subnormal it is returned as
-    it is: its sign is the quotient's, and every caller rounds such values to a zero
-    of that sign. A non-finite a gives a non-finite result (NaN where a division
+    division per element. The result is the correctly rounded quotient wherever that
+    is a normal float (no mismatch in 1.2e8 random pairs shaped like the quantizer's,
+    NOTES.md). Elsewhere it is at most 2^-126 in magnitude, and the sign of a zero
+    quotient may be lost: every caller rounds such values to zero and takes the sign
+    from the dividend. A non-finite a gives a non-finite result (NaN where a division
     gives Inf), which callers zero like any non-finite value."""
     q = a * rb
     r = tl.fma(-q, b, a)
-    return tl.where(tl.abs(q) < FLOAT32_NORMAL_MIN, q, tl.fma(r, rb, q))
+    return tl.fma(r, rb, q)
 
 
 @triton.jit
@@ -96,16 +97,56 @@ def round_e4m3(v, HW: tl.constexpr):
 
 
 @triton.jit
-def round_e4m3_on_grid_or_small(y, HW: tl.constexpr):
-    """``round_to_element(y, 3, -6, 448.0)`` for finite y that is either an E4M3 value
-    already or below E4M3's normal range (|y| < 2^-6). HW: ``round_e4m3``'s conversion
-    instruction. Otherwise both cases round on E4M3's smallest quantum 2^-9 (an E4M3
-    value is a multiple of it), so one fixed scale replaces the per-element exponent
-    arithmetic."""
+def round_e2m1(v, sign_of):
+    """``round_to_element(v, 1, 0, 6.0)`` for finite v, with the sign of ``sign_of``
+    (v's own, or the dividend's where v may have lost the sign of a zero).
+
+    FMA-pipe arithmetic plus one compare and select, where the exponent arithmetic of
+    ``round_to_element`` kept the integer pipe busy. Below 1 (E2M1's subnormals) the
+    quantum is 1/2: the magic-number trick rounds there, half to even. From 1 to 6,
+    Veltkamp's splitting ``g = a·(2^22 + 1); a_2 = g + (a − g)`` rounds a to two
+    significant bits, which is E2M1's rounding (nearest, ties to even; checked on every
+    float32 in [1, 6] and [0, 2) against ml_dtypes, NOTES.md). ``g`` is an explicit
+    FMA so that ``a − g`` cannot be contracted with the product."""
+    a = tl.minimum(tl.abs(v), 6.0)
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, half to even
+    halves = ((a * 2.0 + magic) - magic) * 0.5
+    g = tl.fma(a, 4194305.0, 0.0)  # 2^22 + 1
+    r = tl.where(a < 1.0, halves, g + (a - g))
+    sign = sign_of.to(tl.uint32, bitcast=True) & 0x80000000
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_code(r):
+    """E4M3 bit pattern (uint8) of r, which must already be an E4M3 value (rounded by
+    ``round_to_element(v, 3, -6, 448.0)`` or the fixed-quantum rounding below): as
+    ``element_code(r, 4, 3, -6)``, but the conversion has nothing to round, so it is
+    exact whatever rounding a backend uses, and on sm_89+ it is one instruction per
+    two elements instead of a dozen integer operations per element."""
+    return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def e4m3_bytes(v, HW: tl.constexpr):
+    """E4M3 bit pattern (uint8) of ``round_e4m3(v, HW)``: on a GPU the conversion
+    instruction rounds and encodes at once (one instruction per two elements)."""
     if HW:
-        return round_e4m3(y, True)
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        return _round_to_quantum(y, 512.0, 0.001953125, y)
+        return e4m3_code(round_to_element(v, 3, -6, 448.0))
+
+
+@triton.jit
+def e4m3_bytes_on_grid_or_small(y, HW: tl.constexpr):
+    """``e4m3_bytes(y, HW)`` for finite y that is either an E4M3 value already or
+    below E4M3's normal range (|y| < 2^-6). The emulation rounds both cases on E4M3's
+    smallest quantum 2^-9 (an E4M3 value is a multiple of it), so one fixed scale
+    replaces the per-element exponent arithmetic."""
+    if HW:
+        return e4m3_bytes(y, True)
+    else:
+        return e4m3_code(_round_to_quantum(y, 512.0, 0.001953125, y))
 
 
 @triton.jit
@@ -118,16 +159,6 @@ def element_code(r, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.con
     subnormal = (a * pow2(tl.full(a.shape, MAN_BITS - EMIN, tl.int32))).to(tl.int32)
     code = tl.where(a >= pow2(tl.full(a.shape, EMIN, tl.int32)), normal, subnormal)
     return code | ((bits >> 31).to(tl.int32) << (EXP_BITS + MAN_BITS))
-
-
-@triton.jit
-def e4m3_code(r):
-    """E4M3 bit pattern (uint8) of r, which must already be an E4M3 value (rounded by
-    ``round_to_element(v, 3, -6, 448.0)`` or ``round_e4m3_on_grid_or_small``): as
-    ``element_code(r, 4, 3, -6)``, but the conversion has nothing to round, so it is
-    exact whatever rounding a backend uses, and on sm_89+ it is one instruction per
-    two elements instead of a dozen integer operations per element."""
-    return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
 
 @triton.jit

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .attention import TILE, interpreting
-from .mx import (abs_max, div_by, e4m3_code, element_code, exponent, flush_subnormals, nan_max, pow2, round_e4m3,
-                 round_e4m3_on_grid_or_small, round_to_element)
+from .mx import (abs_max, div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small, element_code, exponent,
+                 flush_subnormals, nan_max, pow2, round_e2m1, round_e4m3, round_to_element)
 
 # Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
 # Kept in step with dma_jax.formats.FORMATS (a test checks it).
@@ -59,7 +59,7 @@ def _token_reference(amax, EMAX: tl.constexpr, NVFP4: tl.constexpr):
 @triton.jit
 def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4: tl.constexpr,
               PER_TILE: tl.constexpr, HW_CVT: tl.constexpr):
-    """The E4M3 copy of one quantized [T, NB, BLOCK] tile (as float32), its scale
+    """The E4M3 copy of one quantized [T, NB, BLOCK] tile (its bytes), its scale
     (float32 per token; unused when PER_TILE) and which tokens are finite, as
     ``dma_jax.formats.fp8_per_token`` / ``fp8_per_tile`` define them.
 
@@ -68,7 +68,8 @@ def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4:
     exact unless an element drops into E4M3's subnormals. NVFP4 rounds
     ``e · sb / 8`` (per tile times ``s2 / s2_max``) to E4M3, within 2^-4.
     ``tile_ref``: the tile's ``2^T`` (MX) or ``s2_max`` (NVFP4) when PER_TILE.
-    HW_CVT: E4M3 rounding by the GPU's conversion instruction (``mx.round_e4m3``).
+    HW_CVT: E4M3 rounding by the GPU's conversion instruction, which also gives the
+    bytes (``mx.e4m3_bytes``).
     """
     token_ok = tl.min(finite.to(tl.int32), axis=1) > 0
     if NVFP4:
@@ -76,7 +77,9 @@ def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4:
         if PER_TILE:
             ratio = tl.math.div_rn(s2, tl.full(s2.shape, 1.0, tl.float32) * tile_ref)
             values = values * ratio[:, None, None]
-        values = round_e4m3(values, HW_CVT)
+        # A non-finite block has sb = 0 but elements of either sign: its copy is +0.
+        # (Selected as floats: a select of bytes compiles to bit-mask arithmetic.)
+        codes = e4m3_bytes(tl.where(finite[:, :, None], values, 0.0), HW_CVT)
         token = s2 * 8.0
     else:
         if PER_TILE:
@@ -86,11 +89,11 @@ def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4:
             t = tl.maximum(tl.max(tl.where(finite, block_exp, -127), axis=1) + EMAX - 8, -126)
             shift = tl.maximum(block_exp - t[:, None], -126)
         # r has at most 4 significant bits and |r * 2^shift| <= 448, so the product is
-        # an E4M3 value unless it falls below E4M3's normal range.
-        values = round_e4m3_on_grid_or_small(r * pow2(shift)[:, :, None], HW_CVT)
+        # an E4M3 value unless it falls below E4M3's normal range. (A non-finite
+        # block's r is +0 already.)
+        codes = e4m3_bytes_on_grid_or_small(r * pow2(shift)[:, :, None], HW_CVT)
         token = pow2(t)
-    values = tl.where(finite[:, :, None], values, 0.0)
-    return values, tl.where(token_ok, token, float("nan")), token_ok
+    return codes, tl.where(token_ok, token, float("nan")), token_ok
 
 
 @triton.jit
@@ -124,16 +127,20 @@ def _quantize_tile(
         sb = round_to_element(tl.where(finite, sb_f, 0.0), 3, -6, 448.0)
         usable = finite & (sb > 0)
         sb_b = tl.where(usable, sb, 1.0)[:, :, None]
-        # x / s2 / sb, each division correctly rounded (the reference's two steps);
-        # the reciprocals are taken once per token and per block.
+        # x / s2 / sb, each division correctly rounded (the reference's two steps)
+        # where the quotient is normal; the reciprocals are taken once per token and
+        # per block. Usable blocks are finite with s2 and sb normal, so v is finite
+        # (|v| <= 2688 * 2^9). A zero-scale block gives |v| < 1/4: zeros.
         s2_b = s2[:, None, None]
         xs = div_by(xb, s2_b, tl.math.div_rn(tl.full(s2_b.shape, 1.0, tl.float32), s2_b))
         v = div_by(xs, sb_b, tl.math.div_rn(tl.full(sb_b.shape, 1.0, tl.float32), sb_b))
-        # Signed zeros where the block scale is 0; +0 for NaN (its sign means nothing).
-        zero = (xb.to(tl.uint32, bitcast=True) & 0x80000000).to(tl.float32, bitcast=True)
-        zero = tl.where(xb == xb, zero, 0.0)
-        # Usable blocks are finite with s2 and sb normal, so v is finite (|v| <= 2688 * 2^9).
-        v = tl.where(usable[:, :, None], v, zero)
+        # Elements take the sign of x (div_by may lose a zero's).
+        sign = xb
+        if WRITE_CODES:
+            # A non-finite block's codes are signed zeros, +0 for NaN (its sign means
+            # nothing). The FP8 copy zeroes such blocks by itself.
+            v = tl.where(usable[:, :, None], v, 0.0)
+            sign = tl.where(xb == xb, xb, 0.0)
         scale_code = tl.where(finite, element_code(sb, 4, 3, -6), 0x7F)
         block_exp = scale_code  # unused for NVFP4
         if WRITE_CODES:
@@ -146,13 +153,16 @@ def _quantize_tile(
         scale_code = tl.where(finite, block_exp + 127, 255)
         sb = amax  # unused for MX
         s2 = amax
+        sign = v
     if MAN_BITS == 3 and EMIN == -6:  # E4M3 elements (MXFP8's default)
         r = round_e4m3(v, HW_CVT)
+    elif MAN_BITS == 1 and EMIN == 0:  # E2M1 elements (NVFP4, MXFP4)
+        r = round_e2m1(v, sign)
     else:
         r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
     if WRITE_FP8:
-        values, token, token_ok = _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE, HW_CVT)
-        f8 = tl.reshape(e4m3_code(values), (BLOCK_T, D))
+        f8, token, token_ok = _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE, HW_CVT)
+        f8 = tl.reshape(f8, (BLOCK_T, D))
         if PER_TILE:
             # The scale is shared by the tile: a non-finite token is E4M3 NaN (0x7F)
             # itself, so only that key's scores become NaN.
@@ -305,9 +315,8 @@ def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
     mask = t < L
     x = tl.load(x_ptr + ((b * L + t) * H + h)[:, None] * D + cols[None, :], mask=mask[:, None], other=0.0)
     x = flush_subnormals(x.to(tl.float32))
-    values = round_e4m3(x * pow2(-t_exp)[None, :], HW_CVT)
-    values = tl.where(finite[None, :], values, 0.0)
-    codes = tl.trans(e4m3_code(values))  # [D, BLOCK_T]
+    codes = e4m3_bytes(tl.where(finite[None, :], x * pow2(-t_exp)[None, :], 0.0), HW_CVT)
+    codes = tl.trans(codes)  # [D, BLOCK_T]
     # The padding columns [L, LP) get zeros (x was loaded as 0 there). Masking by
     # LP, a multiple of 16, keeps the mask uniform over 16 tokens, so the stores
     # vectorize also where L is not specialised (jax-triton passes it as a plain
