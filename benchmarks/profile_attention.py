@@ -6,7 +6,11 @@ default config and the Hopper preset, causal and not, it times
 * each launch of a call alone (torch launchers, ``triton.testing.do_bench``):
   the smooth-K mean, the quantization of Q and of K, V's FP8 transpose (the
   preset), and the attention kernel on inputs prepared beforehand;
-* the whole call through torch and through ``jax.jit`` (back-to-back calls);
+* the whole call through torch and through ``jax.jit`` (back-to-back calls), and
+  through JAX its quantize launches alone (``dma_jax.kernels.quantize_operands``) and
+  its attention launch alone on their outputs (``attend_operands``), back to back.
+  ``do_bench`` times one launch at a time after an L2 flush, which reads about 7%
+  faster than back-to-back runs of the same kernel (NOTES.md, session 8);
 
 and reports the attention kernel's registers per thread, spilled bytes and
 shared memory as Triton compiled it (torch launch). Prints a table and writes
@@ -37,8 +41,9 @@ import jax.numpy as jnp
 import torch
 import triton
 
-from attention import CONFIGS, KV_HEADS, Q_HEADS, copies_needed, dma_fn, time_jax
+from attention import CONFIGS, KV_HEADS, Q_HEADS, copies_needed, dma_fn, quantize_fn, time_jax
 from dma_jax import bridge
+from dma_jax.kernels import attend_operands
 from triton_kernels import attention as attn
 from triton_kernels.dma import dma_attention, softmax_fold
 from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
@@ -118,25 +123,32 @@ def main() -> None:
         ms["sum_of_launches"] = sum(ms.values())
         ms["torch_call"] = triton.testing.do_bench(lambda: whole_call_torch(cfg, causal, q, k, v), warmup=10, rep=100)
         ms["jax_call"] = time_jax(dma_fn(cfg, causal), sets)
+        ms["jax_quantize"] = time_jax(quantize_fn(cfg), sets)
+        prepared = [(st[0], st[2], quantize_fn(cfg)(*st)) for st in sets]
+        ms["jax_attention"] = time_jax(jax.jit(lambda q_, v_, ops, c=cfg, causal=causal: attend_operands(
+            q_, v_, ops, causal=causal, config=c, q_offset=0)), prepared)
         row = {"config": name, "causal": causal, "ms": ms,
                "attention_tflops": flops / ms["attention"] / 1e9, "jax_call_tflops": flops / ms["jax_call"] / 1e9,
+               "jax_attention_tflops": flops / ms["jax_attention"] / 1e9,
                "kernel": resources(new[0]) if new else None}
         rows.append(row)
         res = row["kernel"] or {}
         print(f"{name} causal={causal}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items()) +
-              f" ms; attention {row['attention_tflops']:.0f} TFLOP/s, JAX call {row['jax_call_tflops']:.0f}; "
+              f" ms; attention {row['attention_tflops']:.0f} TFLOP/s (JAX, back to back: "
+              f"{row['jax_attention_tflops']:.0f}), JAX call {row['jax_call_tflops']:.0f}; "
               f"registers {res.get('registers')}, spilled {res.get('spilled_bytes')} B, "
               f"shared {res.get('shared_bytes')} B", flush=True)
     if args.once:
         return
     print(f"\n{torch.cuda.get_device_name()}, B=1, S={s}, {Q_HEADS}:{KV_HEADS} heads, D={d}, bf16; ms")
     names = list(dict.fromkeys(k for r in rows for k in r["ms"]))
-    print("| config | causal | " + " | ".join(names) + " | attention TFLOP/s | regs | spill B |")
+    print("| config | causal | " + " | ".join(names) + " | attention TFLOP/s (do_bench / JAX) | regs | spill B |")
     print("|---|---|" + "---:|" * (len(names) + 3))
     for r in rows:
         res = r["kernel"] or {}
         print(f"| {r['config']} | {r['causal']} | " + " | ".join(f"{r['ms'][n]:.3f}" if n in r["ms"] else "" for n in names)
-              + f" | {r['attention_tflops']:.0f} | {res.get('registers')} | {res.get('spilled_bytes')} |")
+              + f" | {r['attention_tflops']:.0f} / {r['jax_attention_tflops']:.0f} | {res.get('registers')} | "
+              f"{res.get('spilled_bytes')} |")
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name().split()[-1].lower()
     path = os.path.join(args.out, f"profile_attention_{gpu}.json")

@@ -64,8 +64,8 @@ def quantize_operands(q, k, v, *, config: DMAConfig, q_offset: int):
     """The launches of one DMA call before the attention kernel (the smooth-K mean, the
     dual quantization of Q and of K, V's transposed FP8 copy for ``pv="fp8"``):
     ``(q8, k8, vt, v_scale)``, Q's and K's nine kernel operands each, and V^T and its
-    per-channel scale (V itself for both where P·V reads V). ``benchmarks/attention.py``
-    times them alone."""
+    per-channel scale (V itself for both where P·V reads V). The benchmarks time them
+    alone."""
     jt = import_jax_triton()
     batch, q_len, _, dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -111,11 +111,11 @@ def quantize_operands(q, k, v, *, config: DMAConfig, q_offset: int):
     return q8, k8, vt, v_scale
 
 
-def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int):
-    """DMA through the Triton kernels; same contract as ``reference.dma_reference``
-    (with ``operands="fp8"`` for the tiles that are not native)."""
-    q8, k8, vt, v_scale = quantize_operands(q, k, v, config=config, q_offset=q_offset)
-    capability, native, has_lo, _ = _copies(q.shape[1], k.shape[1], q_offset, config)
+def attend_operands(q, v, operands, *, causal: bool, config: DMAConfig, q_offset: int):
+    """The attention launch of one DMA call on ``quantize_operands``' result
+    (``operands``); ``q`` gives the output's shape and dtype."""
+    q8, k8, vt, v_scale = operands
+    capability, native, has_lo, _ = _copies(q.shape[1], v.shape[1], q_offset, config)
     pv_fp8 = config.pv == "fp8"
     return _attention_call(
         import_jax_triton(), q8, k8, v, vt, v_scale, q=q, causal=causal, q_offset=q_offset,
@@ -123,6 +123,13 @@ def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int)
         launch=attn.launch_config(q.shape[3], causal, pv_fp8, capability),
         high=config.high, low=config.low, native=native, has_lo=has_lo, pv_fp8=pv_fp8,
     )
+
+
+def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int):
+    """DMA through the Triton kernels; same contract as ``reference.dma_reference``
+    (with ``operands="fp8"`` for the tiles that are not native)."""
+    operands = quantize_operands(q, k, v, config=config, q_offset=q_offset)
+    return attend_operands(q, v, operands, causal=causal, config=config, q_offset=q_offset)
 
 
 def triton_input_attention(q, k, v, *, causal: bool, sm_scale: float, q_offset: int):
