@@ -63,8 +63,8 @@ def main() -> None:
     per_thread = QUANTIZE_BLOCK_T * args.head_dim // (32 * QUANTIZE_WARPS)
     print(f"sm_90 SASS of one dual-quantize program: {QUANTIZE_BLOCK_T} tokens x head_dim {args.head_dim}, "
           f"{QUANTIZE_WARPS} warps, {per_thread} elements per thread and format")
-    print("| mode | low | SASS instructions | per element | PTX div.rn | PTX E4M3 cvt | most frequent |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("| mode | low | SASS instructions | per element | PTX div.rn | PTX E4M3 cvt from f32 | from f16 | most frequent |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for mode in MODES:
         for low in ("nvfp4", "mxfp4"):
             asm = compiled(args.head_dim, low, mode)
@@ -72,7 +72,8 @@ def main() -> None:
             total = sum(counts.values())
             top = ", ".join(f"{op} {n}" for op, n in counts.most_common(5))
             print(f"| {mode} | {low} | {total} | {total / per_thread:.0f} | {asm['ptx'].count('div.rn.f32')} | "
-                  f"{asm['ptx'].count('cvt.rn.satfinite.e4m3x2.f32')} | {top} |")
+                  f"{asm['ptx'].count('cvt.rn.satfinite.e4m3x2.f32')} | "
+                  f"{asm['ptx'].count('cvt.rn.satfinite.e4m3x2.f16x2')} | {top} |")
 
 
 if __name__ == "__main__":

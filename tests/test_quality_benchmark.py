@@ -101,8 +101,8 @@ def test_accuracy_benchmark_reports_the_sm90_numerics(tmp_path, capsys):
 @pytest.mark.skipif(not TRITON_39, reason="compiling for sm_90 without a GPU needs triton >= 3.9")
 def test_quantize_instructions_counts_the_sm90_instructions():
     """On a GPU every E4M3 rounding is the conversion instruction (one per two elements):
-    the MXFP8 elements (both modes), and in the FP8 mode also each copy's bytes (hi and
-    lo), rounded and encoded by one conversion: three per element pair; only NVFP4
+    from float32 for the MXFP8 elements (both modes) and, in the FP8 mode, the low
+    copy's bytes; from float16 pairs for the MXFP8 copy's bytes (FP8 mode). Only NVFP4
     divides, once per token and block (not per element). Compiled in a subprocess: the
     test session interprets kernels."""
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quantize_instructions.py"), "--head-dim", "64"],
@@ -110,9 +110,10 @@ def test_quantize_instructions_counts_the_sm90_instructions():
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith(("| fp8", "| codes"))]
     assert len(rows) == 4
     per_thread = 16 * 64 // 128  # tokens x head_dim / threads
-    for mode, low, total, per_element, divs, cvts, _ in (map(str.strip, r) for r in rows):
+    for mode, low, total, per_element, divs, cvts, cvts16, _ in (map(str.strip, r) for r in rows):
         assert int(total) > 0 and round(int(total) / per_thread) == int(per_element)
-        assert int(cvts) == (3 if mode == "fp8" else 1) * per_thread // 2, (mode, low)
+        assert int(cvts) == (2 if mode == "fp8" else 1) * per_thread // 2, (mode, low)
+        assert int(cvts16) == (per_thread // 2 if mode == "fp8" else 0), (mode, low)
         # NVFP4 divides for its token and block scales and their reciprocals, fewer
         # times than it has elements (two correctly rounded quotients each).
         assert (0 < int(divs) < per_thread) if low == "nvfp4" else int(divs) == 0, (mode, low)

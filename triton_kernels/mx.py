@@ -103,14 +103,14 @@ def round_e2m1(v, sign_of):
 
     FMA-pipe arithmetic plus one compare and select, where the exponent arithmetic of
     ``round_to_element`` kept the integer pipe busy. Below 1 (E2M1's subnormals) the
-    quantum is 1/2: the magic-number trick rounds there, half to even. From 1 to 6,
+    quantum is 1/2: adding and subtracting 1.5 · 2^22 (whose float32 quantum is 1/2)
+    rounds there, half to even. From 1 to 6,
     Veltkamp's splitting ``g = a·(2^22 + 1); a_2 = g + (a − g)`` rounds a to two
     significant bits, which is E2M1's rounding (nearest, ties to even; checked on every
     float32 in [1, 6] and [0, 2) against ml_dtypes, NOTES.md). ``g`` is an explicit
     FMA so that ``a − g`` cannot be contracted with the product."""
     a = tl.minimum(tl.abs(v), 6.0)
-    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, half to even
-    halves = ((a * 2.0 + magic) - magic) * 0.5
+    halves = (a + 6291456.0) - 6291456.0
     g = tl.fma(a, 4194305.0, 0.0)  # 2^22 + 1
     r = tl.where(a < 1.0, halves, g + (a - g))
     sign = sign_of.to(tl.uint32, bitcast=True) & 0x80000000

@@ -57,8 +57,8 @@ def _token_reference(amax, EMAX: tl.constexpr, NVFP4: tl.constexpr):
 
 
 @triton.jit
-def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4: tl.constexpr,
-              PER_TILE: tl.constexpr, HW_CVT: tl.constexpr):
+def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4: tl.constexpr,
+              PER_TILE: tl.constexpr, HW_CVT: tl.constexpr, E4M3_ELEMENTS: tl.constexpr):
     """The E4M3 copy of one quantized [T, NB, BLOCK] tile (its bytes), its scale
     (float32 per token; unused when PER_TILE) and which tokens are finite, as
     ``dma_jax.formats.fp8_per_token`` / ``fp8_per_tile`` define them.
@@ -67,7 +67,8 @@ def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4:
     ``2^T`` (per token ``T = max_b X_b + EMAX - 8``, per tile the tile's largest):
     exact unless an element drops into E4M3's subnormals. NVFP4 rounds
     ``e · sb / 8`` (per tile times ``s2 / s2_max``) to E4M3, within 2^-4.
-    ``tile_ref``: the tile's ``2^T`` (MX) or ``s2_max`` (NVFP4) when PER_TILE.
+    ``tile_ref``: the tile's ``2^T`` (MX) or ``s2_max`` (NVFP4) when PER_TILE. ``r``
+    holds the rounded elements, ``v`` the values they were rounded from.
     HW_CVT: E4M3 rounding by the GPU's conversion instruction, which also gives the
     bytes (``mx.e4m3_bytes``).
     """
@@ -91,7 +92,14 @@ def _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4:
         # r has at most 4 significant bits and |r * 2^shift| <= 448, so the product is
         # an E4M3 value unless it falls below E4M3's normal range. (A non-finite
         # block's r is +0 already.)
-        codes = e4m3_bytes_on_grid_or_small(r * pow2(shift)[:, :, None], HW_CVT)
+        if HW_CVT and E4M3_ELEMENTS:
+            # E4M3 elements (shift <= 0) rescale on packed float16 pairs: the product is
+            # exact in float16 down to 2^-24, and where float16 rounds (below 2^-20) or
+            # 2^shift underflows to 0, E4M3 rounds to a signed zero either way.
+            y = v.to(tl.float8e4nv).to(tl.float16) * pow2(shift).to(tl.float16)[:, :, None]
+            codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            codes = e4m3_bytes_on_grid_or_small(r * pow2(shift)[:, :, None], HW_CVT)
         token = pow2(t)
     return codes, tl.where(token_ok, token, float("nan")), token_ok
 
@@ -161,7 +169,8 @@ def _quantize_tile(
     else:
         r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
     if WRITE_FP8:
-        f8, token, token_ok = _fp8_copy(r, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE, HW_CVT)
+        f8, token, token_ok = _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE, HW_CVT,
+                                        MAN_BITS == 3 and EMIN == -6)
         f8 = tl.reshape(f8, (BLOCK_T, D))
         if PER_TILE:
             # The scale is shared by the tile: a non-finite token is E4M3 NaN (0x7F)
