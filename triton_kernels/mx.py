@@ -25,7 +25,7 @@ def exponent(a):
 def flush_subnormals(x):
     """float32 subnormals become zeros of the same sign (as ``dma_jax.formats``).
     ``x * 0`` is that zero for every value it replaces: one FMA-pipe multiply instead
-    of an integer sign mask, since the integer pipe is the quantizer's bottleneck."""
+    of an integer sign mask, on the pipe the quantizer leaves the idler."""
     return tl.where(tl.abs(x) < FLOAT32_NORMAL_MIN, x * 0.0, x)
 
 
@@ -104,11 +104,11 @@ def round_e2m1(v, sign_of):
     FMA-pipe arithmetic plus one compare and select, where the exponent arithmetic of
     ``round_to_element`` kept the integer pipe busy. Below 1 (E2M1's subnormals) the
     quantum is 1/2: adding and subtracting 1.5 · 2^22 (whose float32 quantum is 1/2)
-    rounds there, half to even. From 1 to 6,
-    Veltkamp's splitting ``g = a·(2^22 + 1); a_2 = g + (a − g)`` rounds a to two
-    significant bits, which is E2M1's rounding (nearest, ties to even; checked on every
-    float32 in [1, 6] and [0, 2) against ml_dtypes, NOTES.md). ``g`` is an explicit
-    FMA so that ``a − g`` cannot be contracted with the product."""
+    rounds there, half to even. From 1 to 6, Veltkamp's splitting
+    ``g = a·(2^22 + 1); a_2 = g + (a − g)`` rounds a to two significant bits, which is
+    E2M1's rounding (nearest, ties to even). Both checked on every float32 of their
+    range against ml_dtypes (NOTES.md). ``g`` is an explicit FMA so that ``a − g``
+    cannot be contracted with the product."""
     a = tl.minimum(tl.abs(v), 6.0)
     halves = (a + 6291456.0) - 6291456.0
     g = tl.fma(a, 4194305.0, 0.0)  # 2^22 + 1

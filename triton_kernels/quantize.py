@@ -6,11 +6,13 @@ reads the bf16/fp16 tile once, optionally subtracts K's per-channel mean
 copies with their scale bytes and, for NVFP4, the float32 per-token scale. For
 sm_90 it writes E4M3 copies instead; K's share one scale per 128-key tile, so a
 K program covers a whole tile and reads it twice (the scale first). The numerics are those
-of ``dma_jax.formats`` (DESIGN.md §3.1) bit for bit: element rounding is done
-with integer bit manipulation and a round-half-even trick, divisions with
-``div_rn``. The one exception is E4M3 rounding on a GPU, where the conversion
-instruction rounds to nearest even with saturation as the formats do
-(``mx.round_e4m3``; Triton's interpreter, which does not, keeps the emulation).
+of ``dma_jax.formats`` (DESIGN.md §3.1) bit for bit, with arithmetic chosen to
+keep the GPU's integer pipe free (``mx``): E2M1 elements round by float32 tricks
+(``round_e2m1``), E4M3 values on a GPU by the conversion instruction, which rounds
+to nearest even with saturation as the formats do (``round_e4m3``; Triton's
+interpreter, whose conversion does not, keeps an exact emulation), and NVFP4's
+divisions by a reciprocal with Markstein's correction (``div_by``), equal to
+``div_rn`` wherever the quotient is a normal float.
 
 Smooth-K needs the mean over all valid tokens before any tile can be quantized,
 so it is a separate reduction launch (``channel_mean``); K is read twice.
