@@ -123,8 +123,9 @@ def main() -> None:
         ms["sum_of_launches"] = sum(ms.values())
         ms["torch_call"] = triton.testing.do_bench(lambda: whole_call_torch(cfg, causal, q, k, v), warmup=10, rep=100)
         ms["jax_call"] = time_jax(dma_fn(cfg, causal), sets)
-        ms["jax_quantize"] = time_jax(quantize_fn(cfg), sets)
-        prepared = [(st[0], st[2], quantize_fn(cfg)(*st)) for st in sets]
+        quantize_jax = quantize_fn(cfg)
+        ms["jax_quantize"] = time_jax(quantize_jax, sets)
+        prepared = [(st[0], st[2], quantize_jax(*st)) for st in sets]
         ms["jax_attention"] = time_jax(jax.jit(lambda q_, v_, ops, c=cfg, causal=causal: attend_operands(
             q_, v_, ops, causal=causal, config=c, q_offset=0)), prepared)
         row = {"config": name, "causal": causal, "ms": ms,

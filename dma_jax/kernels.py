@@ -52,12 +52,10 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
 
 
-def _copies(q_len: int, kv_len: int, q_offset: int, config: DMAConfig):
-    """(native tiles, whether any pair is low, which copies the quantize launches write)."""
-    capability = _capability()
-    native = attn.native_formats(capability, config.low)
-    has_lo = not attn.all_high(q_len, kv_len, q_offset, config.diag_tiles)
-    return capability, native, has_lo, dict(codes=any(native), fp8=not all(native), write_lo=has_lo)
+def _tile_plan(q_len: int, kv_len: int, q_offset: int, config: DMAConfig):
+    """(which of the high and low tiles are native on this GPU, whether any pair is low)."""
+    native = attn.native_formats(_capability(), config.low)
+    return native, not attn.all_high(q_len, kv_len, q_offset, config.diag_tiles)
 
 
 def quantize_operands(q, k, v, *, config: DMAConfig, q_offset: int):
@@ -71,7 +69,8 @@ def quantize_operands(q, k, v, *, config: DMAConfig, q_offset: int):
     kv_len, kv_heads = k.shape[1], k.shape[2]
     high, low = config.high, config.low
     attn.check_extent(kv_len, kv_heads, dim)
-    _, _, _, copies = _copies(q_len, kv_len, q_offset, config)
+    native, has_lo = _tile_plan(q_len, kv_len, q_offset, config)
+    copies = dict(codes=any(native), fp8=not all(native), write_lo=has_lo)
 
     def channel_partials(x, amax):
         grid, _, part_shape, _ = quant.mean_launches(x.shape)
@@ -115,12 +114,12 @@ def attend_operands(q, v, operands, *, causal: bool, config: DMAConfig, q_offset
     """The attention launch of one DMA call on ``quantize_operands``' result
     (``operands``); ``q`` gives the output's shape and dtype."""
     q8, k8, vt, v_scale = operands
-    capability, native, has_lo, _ = _copies(q.shape[1], v.shape[1], q_offset, config)
+    native, has_lo = _tile_plan(q.shape[1], v.shape[1], q_offset, config)
     pv_fp8 = config.pv == "fp8"
     return _attention_call(
         import_jax_triton(), q8, k8, v, vt, v_scale, q=q, causal=causal, q_offset=q_offset,
         diag=config.diag_tiles, sink=config.sink_tiles, qk_scale=1.0,
-        launch=attn.launch_config(q.shape[3], causal, pv_fp8, capability),
+        launch=attn.launch_config(q.shape[3], causal, pv_fp8, _capability()),
         high=config.high, low=config.low, native=native, has_lo=has_lo, pv_fp8=pv_fp8,
     )
 

@@ -123,6 +123,7 @@ def _quantize_tile(
     read) and, unless PER_TILE (the caller stores the tile's scale), its token scales.
     """
     NB: tl.constexpr = D // BLOCK
+    E4M3: tl.constexpr = MAN_BITS == 3 and EMIN == -6  # MXFP8's default elements
     xb = tl.reshape(x, (BLOCK_T, NB, BLOCK))
     amax = abs_max(xb, 2)  # [T, NB]
     if NVFP4:
@@ -164,7 +165,7 @@ def _quantize_tile(
         sb = amax  # unused for MX
         s2 = amax
         sign = v
-    if MAN_BITS == 3 and EMIN == -6:  # E4M3 elements (MXFP8's default)
+    if E4M3:
         r = round_e4m3(v, HW_CVT)
     elif MAN_BITS == 1 and EMIN == 0:  # E2M1 elements (NVFP4, MXFP4)
         r = round_e2m1(v, sign)
@@ -172,7 +173,7 @@ def _quantize_tile(
         r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
     if WRITE_FP8:
         f8, token, token_ok = _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE, HW_CVT,
-                                        MAN_BITS == 3 and EMIN == -6)
+                                        E4M3)
         f8 = tl.reshape(f8, (BLOCK_T, D))
         if PER_TILE:
             # The scale is shared by the tile: a non-finite token is E4M3 NaN (0x7F)
