@@ -3,7 +3,9 @@
 Five launches per call (seven with ``pv="fp8"``), the same kernels the torch
 front end runs: the smooth-K mean (partial sums, then their fixed-order total),
 the dual quantization of Q and of K, for the FP8 P·V V's channel amax and its
-transposed E4M3 copy, and the attention kernel. jax-triton has no dtype
+transposed E4M3 copy, and the attention kernel (on an H200 at head_dim 128 with
+bf16/fp16 P·V the Gluon kernel of ``triton_kernels.attention_sm90``, through
+``gluon_call``). jax-triton has no dtype
 for float8/E8M0/FP4, so codes and scales travel as uint8.
 """
 
@@ -16,10 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from triton_kernels import attention as attn
+from triton_kernels import attention_sm90 as attn90
 from triton_kernels import quantize as quant
 from triton_kernels.dma import softmax_fold
 
 from .config import DMAConfig
+from .gluon_call import gluon_call
 
 
 def import_jax_triton():
@@ -116,6 +120,14 @@ def attend_operands(q, v, operands, *, causal: bool, config: DMAConfig, q_offset
     q8, k8, vt, v_scale = operands
     native, has_lo = _tile_plan(q.shape[1], v.shape[1], q_offset, config)
     pv_fp8 = config.pv == "fp8"
+    if attn90.applies(_capability(), q.shape[3], jnp.dtype(q.dtype).name, pv_fp8, native):
+        batch, q_len, q_heads, dim = q.shape
+        n_blocks, block0 = attn.query_blocks(q_len, q_offset, attn90.BLOCK_M)
+        return gluon_call(
+            *q8[5:], *k8[5:], v, q_len, v.shape[1], q_heads, v.shape[2], q_offset, block0, config.diag_tiles,
+            config.sink_tiles, kernel=attn90._dma_attention_sm90_kernel, out_shape=_sds(q.shape, q.dtype),
+            grid=(n_blocks, q_heads, batch), num_warps=4, **attn90.launch_meta(dim, causal, has_lo),
+        )
     return _attention_call(
         import_jax_triton(), q8, k8, v, vt, v_scale, q=q, causal=causal, q_offset=q_offset,
         diag=config.diag_tiles, sink=config.sink_tiles, qk_scale=1.0,

@@ -133,3 +133,61 @@ def test_long_sequence_runs():
     assert out.shape == q.shape and bool(jnp.isfinite(out).all())
     t_out = torch_attention(*(bridge.to_torch(x) for x in (q, k, v)))
     assert torch.isfinite(t_out).all()
+
+
+ON_SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
+SM90_CASES = [
+    # (b, lq, lk, hq, hkv, causal, q_offset, diag, sink): kv_len and q_len off the 128
+    # grid, GQA, a KV cache (q_offset > 0), rows before the first key (q_offset < 0),
+    # all pairs high (diag covering everything), one query row.
+    (2, 300, 300, 8, 2, True, 0, 1, 1),
+    (1, 200, 700, 4, 4, False, 500, 1, 1),
+    (1, 129, 1200, 6, 2, True, 1071, 2, 0),
+    (1, 300, 250, 4, 1, True, -50, 1, 1),
+    (1, 640, 640, 2, 2, False, 0, 2**30, 0),
+    (1, 1, 1000, 4, 2, True, 999, 1, 1),
+]
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel is for sm_90 (Hopper)")
+@pytest.mark.parametrize("b,lq,lk,hq,hkv,causal,q_offset,diag,sink", SM90_CASES)
+def test_sm90_gluon_kernel_matches_reference_and_triton_kernel(b, lq, lk, hq, hkv, causal, q_offset, diag, sink):
+    """head_dim 128, bf16: both front ends take the Gluon kernel (launched from JAX by
+    ``gluon_call``); it computes what the Triton kernel computes on the same operands."""
+    from dma_jax import gluon_call
+    from triton_kernels import dma
+
+    q, k, v = inputs(lq + lk + 1, b, lq, lk, hq, hkv, 128)
+    cfg = DMAConfig(diag_tiles=diag, sink_tiles=sink)
+    compiled = gluon_call._compile.cache_info().misses + gluon_call._compile.cache_info().hits
+    f = jax.jit(lambda q, k, v: dma_jax.attention(q, k, v, causal=causal, config=cfg, q_offset=q_offset))
+    out = np.asarray(f(q, k, v), np.float32)
+    info = gluon_call._compile.cache_info()
+    assert info.misses + info.hits == compiled + 1  # lowered through gluon_call
+    ref = cpu_reference(q, k, v, causal=causal, config=cfg, q_offset=q_offset)
+    assert oracle.rel_l2(out, ref) <= tolerance(jnp.bfloat16)
+    if q_offset < 0:  # rows before the first key have no valid key: zeros
+        assert not out[:, :-q_offset].any()
+
+    tq, tk, tv = (bridge.to_torch(x) for x in (q, k, v))
+    t_out = torch_attention(tq, tk, tv, causal=causal, config=cfg, q_offset=q_offset)
+    np.testing.assert_array_equal(t_out.float().cpu().numpy(), out)
+    # The Triton kernel on the operands the torch front end quantized.
+    triton_out = []
+    plain = dma.mx_attention
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dma, "sm90_applies", lambda *a: False)
+        mp.setattr(dma, "mx_attention", lambda *a, **kw: triton_out.append(plain(*a, **kw)) or triton_out[-1])
+        torch_attention(tq, tk, tv, causal=causal, config=cfg, q_offset=q_offset)
+    assert oracle.rel_l2(t_out.float().cpu().numpy(), triton_out[0].float().cpu().numpy()) <= 1e-4
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel is for sm_90 (Hopper)")
+def test_sm90_gluon_kernel_propagates_nan():
+    """A NaN in one query row makes that row NaN (its token scale is NaN) and no other."""
+    q, k, v = inputs(5, 1, 256, 256, 2, 1, 128)
+    q = q.at[0, 200, 1, 3].set(jnp.nan)
+    out = np.asarray(jax.jit(lambda q, k, v: dma_jax.attention(q, k, v, causal=True))(q, k, v), np.float32)
+    expected = np.isnan(cpu_reference(q, k, v, causal=True, config=DMAConfig()))
+    assert expected[0, 200, 1].all() and expected.sum() == 128
+    np.testing.assert_array_equal(np.isnan(out), expected)

@@ -18,11 +18,13 @@ import torch
 
 from dma_jax import DMAConfig, kernels
 from triton_kernels import attention as attn
+from triton_kernels import attention_sm90 as attn90
 from triton_kernels import dma
 from triton_kernels import quantize as quant
 
 KERNELS = [(quant, "_channel_reduce_kernel"), (quant, "_channel_mean_kernel"), (quant, "_dual_quantize_kernel"),
-           (quant, "_fp8_transpose_kernel"), (attn, "_dma_attention_kernel")]
+           (quant, "_fp8_transpose_kernel"), (attn, "_dma_attention_kernel"), (attn90, "_dma_attention_sm90_kernel")]
+ATTENTION = ("_dma_attention_kernel", "_dma_attention_sm90_kernel")
 
 
 def _arg(x):
@@ -49,14 +51,15 @@ class _Recorder:
         return lambda *args, **kw: _record(self.fn.__name__, grid, args, kw, self.log)
 
 
-def _fake_jax_triton(log):
-    def triton_call(*args, kernel, out_shape, grid, **kw):
+def _fake_call(log):
+    """Stands in for ``jax_triton.triton_call`` and ``dma_jax.gluon_call.gluon_call``."""
+    def call(*args, kernel, out_shape, grid, **kw):
         outs = list(out_shape) if isinstance(out_shape, (list, tuple)) else [out_shape]
-        # jax-triton appends the outputs to the kernel's arguments.
+        # Both append the outputs to the kernel's arguments.
         _record(kernel.fn.__name__, grid, list(args) + outs, kw, log)
         arrays = [jnp.zeros(o.shape, o.dtype) for o in outs]
         return arrays if isinstance(out_shape, (list, tuple)) else arrays[0]
-    return types.SimpleNamespace(triton_call=triton_call)
+    return call
 
 
 def _plans(monkeypatch, capability, config, causal, q_len, kv_len, heads, dim):
@@ -72,17 +75,19 @@ def _plans(monkeypatch, capability, config, causal, q_len, kv_len, heads, dim):
     monkeypatch.setattr(attn, "launch_config",
                         lambda d, c, p, _cap, unquantized=False: plain_launch_config(d, c, p, capability, unquantized))
     monkeypatch.setattr(dma, "resolve_native", lambda device, low, native: attn.native_formats(capability, low))
+    monkeypatch.setattr(dma, "_capability", lambda device: capability)
     monkeypatch.setattr(kernels, "_capability", lambda: capability)
-    monkeypatch.setattr(kernels, "import_jax_triton", lambda: _fake_jax_triton(jax_log))
+    monkeypatch.setattr(kernels, "import_jax_triton", lambda: types.SimpleNamespace(triton_call=_fake_call(jax_log)))
+    monkeypatch.setattr(kernels, "gluon_call", _fake_call(jax_log))
     # Which of Q's and K's nine operands the torch front end did not write (it passes
     # another operand in their place; the JAX lowering passes a one-element placeholder).
+    # The Triton kernel takes all nine of each, the Gluon kernel the last four (FP8 copies).
     unwritten = []
-    plain_mx_attention = dma.mx_attention
-
-    def mx_attention(q8, k8, v, **kw):
-        unwritten.extend(getattr(x8, f.name) is None for x8 in (q8, k8) for f in dataclasses.fields(x8))
-        return plain_mx_attention(q8, k8, v, **kw)
-    monkeypatch.setattr(dma, "mx_attention", mx_attention)
+    for launcher, first in (("mx_attention", 0), ("sm90_attention", 5)):
+        def wrapped(q8, k8, v, plain=getattr(dma, launcher), first=first, **kw):
+            unwritten.extend(getattr(x8, f.name) is None for x8 in (q8, k8) for f in dataclasses.fields(x8)[first:])
+            return plain(q8, k8, v, **kw)
+        monkeypatch.setattr(dma, launcher, wrapped)
 
     q_heads, kv_heads = heads
     offset = kv_len - q_len
@@ -95,7 +100,7 @@ def _plans(monkeypatch, capability, config, causal, q_len, kv_len, heads, dim):
     out = kernels.triton_attention(jq, jk, jv, causal=causal, config=config, q_offset=offset)
     assert out.shape == jq.shape and out.dtype == jq.dtype
     for log in (torch_log, jax_log):
-        assert log[-1][0] == "_dma_attention_kernel"
+        assert log[-1][0] in ATTENTION
     for i, skip in enumerate(unwritten):  # the kernel never reads these
         if skip:
             assert jax_log[-1][2][i][0] == (1,), i
@@ -116,8 +121,12 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_jax_lowering_launches_what_torch_launches(monkeypatch, capability, name, causal):
+    config = CONFIGS[name]
     for q_len, kv_len, heads, dim in ((300, 300, (4, 2), 64), (1, 700, (6, 3), 128), (200, 456, (4, 4), 64)):
-        torch_log, jax_log = _plans(monkeypatch, capability, CONFIGS[name], causal, q_len, kv_len, heads, dim)
+        torch_log, jax_log = _plans(monkeypatch, capability, config, causal, q_len, kv_len, heads, dim)
+        # The Gluon kernel exactly where documented: Hopper, head_dim 128, P·V in bf16.
+        gluon = capability == (9, 0) and dim == 128 and config.pv == "input"
+        assert torch_log[-1][0] == ATTENTION[gluon]
         assert [launch[0] for launch in jax_log] == [launch[0] for launch in torch_log]
         for got, want in zip(jax_log, torch_log):
             assert got == want, (q_len, kv_len, got[0])

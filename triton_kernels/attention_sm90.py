@@ -1,22 +1,27 @@
 """The DMA prefill kernel for Hopper (sm_90), written in Gluon with FA3's schedule.
 
 Same operands, numerics and outputs as ``attention._dma_attention_kernel`` on its
-FP8 path (the quantizer's E4M3 copies of Q per token and of K per 128-key tile,
-P·V in bf16/fp16 or FP8), but one program holds 128 query rows in two consumer
-warpgroups of 64 rows each plus one loader warp (``gl.warp_specialize``):
+FP8 path with P·V in the input's bf16/fp16 (the quantizer's E4M3 copies of Q per
+token and of K per 128-key tile), but one program holds 128 query rows in two
+consumer warpgroups of 64 rows each plus one loader warpgroup (``gl.warp_specialize``):
 
 * the loader copies K (and V or V^T) blocks into a ring of shared-memory slots
   with ``cp.async`` and signals each slot on an mbarrier; the consumers give a
   slot back on another once their MMAs have read it;
-* each consumer runs Q·Kᵀ → softmax → P·V for its rows. The two warpgroups are
+* each consumer runs Q·Kᵀ → softmax → P·V for its rows, issuing block j's Q·Kᵀ
+  together with block j-1's P·V so that the softmax of block j overlaps an MMA
+  in flight (FA3's intra-warpgroup pipelining). The two warpgroups are
   independent, so while one runs its softmax (MUFU/FMA pipes) the other's MMAs
-  keep the tensor cores busy: the overlap a single warpgroup per program (the
-  Triton kernel, 2 programs per SM) only gets by chance.
+  keep the tensor cores busy. (Making them take strict turns issuing MMAs, FA3's
+  ping-pong, measured within ±4% either way on the H200: not kept.)
 
 Per key block the tile format (high or low copy) is chosen at run time from the
 sink / diagonal-band bounds, by indexing a two-slot shared-memory Q buffer, so
 the loop is the same for every run of tiles. Masks (causal edge, kv_len) are
 only applied in the blocks that need them (a second loop with MASK=True).
+
+The FP8 P·V (``pv="fp8"``) stays on the Triton kernel, which is faster there on
+the H200 (NOTES.md, session 10), as does head_dim 64.
 
 This module never imports JAX.
 """
@@ -70,28 +75,21 @@ def _is_low(n0, k1, k2, k3, HAS_LO: gl.constexpr):
 
 
 @gluon.jit
-def _loader(k_smem, v_smem, k_ready, k_free, v_ready, v_free, kh_f8, kl_f8, v_ptr, vt_ptr,
-            kv_base, vt_base, Lk, HKV, k1, k2, k3, kend,
-            D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PV_FP8: gl.constexpr,
-            HAS_LO: gl.constexpr, WARPS: gl.constexpr):
-    """Copy K and V (or V^T) blocks [0, kend) into the slot ring. Each copy is 16
+def _loader(k_smem, v_smem, k_ready, k_free, v_ready, v_free, kh_f8, kl_f8, v_ptr,
+            kv_base, Lk, HKV, k1, k2, k3, kend,
+            D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LO: gl.constexpr,
+            WARPS: gl.constexpr):
+    """Copy K and V blocks [0, kend) into the slot ring. Each copy is 16
     bytes per thread; cp.async's mbarrier arrive fires when this thread's copies
     have landed, so a slot's "ready" barrier counts one arrival per loader thread."""
     k_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [WARPS, 1], [1, 0])
     n_k = gl.arange(0, BLOCK_N, gl.SliceLayout(1, k_layout))
     c_k = gl.arange(0, D, gl.SliceLayout(0, k_layout))
     k_offs = (n_k * HKV)[:, None] * D + c_k[None, :]
-    if PV_FP8:
-        v_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_N // 16), BLOCK_N // 16], [WARPS, 1], [1, 0])
-        c_v = gl.arange(0, D, gl.SliceLayout(1, v_layout))
-        n_v = gl.arange(0, BLOCK_N, gl.SliceLayout(0, v_layout))
-        vt_stride = gl.cdiv(Lk, 16) * 16
-        v_offs = c_v[:, None] * vt_stride + n_v[None, :]
-    else:
-        v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [WARPS, 1], [1, 0])
-        n_v = gl.arange(0, BLOCK_N, gl.SliceLayout(1, v_layout))
-        c_v = gl.arange(0, D, gl.SliceLayout(0, v_layout))
-        v_offs = (n_v * HKV)[:, None] * D + c_v[None, :]
+    v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [WARPS, 1], [1, 0])
+    n_v = gl.arange(0, BLOCK_N, gl.SliceLayout(1, v_layout))
+    c_v = gl.arange(0, D, gl.SliceLayout(0, v_layout))
+    v_offs = (n_v * HKV)[:, None] * D + c_v[None, :]
     for n0 in range(0, kend, BLOCK_N):
         j = n0 // BLOCK_N
         slot = j % STAGES
@@ -106,104 +104,108 @@ def _loader(k_smem, v_smem, k_ready, k_free, v_ready, v_free, kh_f8, kl_f8, v_pt
                                                    mask=k_ok)
         async_copy.mbarrier_arrive(k_ready.index(slot), increment_count=False)
         mbarrier.wait(v_free.index(slot), phase ^ 1)
-        if PV_FP8:
-            # Columns [Lk, LP) of V^T are zeros; LP (a multiple of 16) keeps copies whole.
-            async_copy.async_copy_global_to_shared(v_smem.index(slot), vt_ptr + vt_base + n0 + v_offs,
-                                                   mask=(n0 + n_v < vt_stride)[None, :])
-        else:
-            async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptr + (kv_base + n0 * HKV) * D + v_offs,
-                                                   mask=(n0 + n_v < Lk)[:, None])
+        async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptr + (kv_base + n0 * HKV) * D + v_offs,
+                                               mask=(n0 + n_v < Lk)[:, None])
         async_copy.mbarrier_arrive(v_ready.index(slot), increment_count=False)
 
 
 @gluon.jit
-def _consume_run(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
+def _issue_qk(q_smem, k_smem, k_ready, n0, k1, k2, k3, s_zero,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LO: gl.constexpr, Q_ROW0: gl.constexpr):
+    """Start S = Q·Kᵀ of key block n0 on the tensor cores (not waited for)."""
+    j = n0 // BLOCK_N
+    slot = j % STAGES
+    mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+    fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it async
+    low = _is_low(n0, k1, k2, k3, HAS_LO)
+    qa = q_smem.index(low.to(gl.int32)).slice(Q_ROW0, 64, dim=0)
+    return warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _issue_pv(pa, acc, v_smem, v_ready, j, STAGES: gl.constexpr):
+    """Start ``acc += P·V`` of key block j (not waited for)."""
+    slot = j % STAGES
+    mbarrier.wait(v_ready.index(slot), (j // STAGES) & 1)
+    fence_async_shared()
+    return warpgroup_mma(pa, v_smem.index(slot), acc, is_async=True)
+
+
+@gluon.jit
+def _finish_pv(pv, pa):
+    """Wait for the P·V in flight; P's registers are free after it."""
+    pv, pa = warpgroup_mma_wait(num_outstanding=0, deps=(pv, pa))
+    return pv
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, n0, k1, k2, k3, qh_t, ql_t, kh_ts, kl_ts, kts_base, p, Lk, HKV,
+             CAUSAL: gl.constexpr, MASK: gl.constexpr, HAS_LO: gl.constexpr,
+             p_dtype: gl.constexpr, p_layout: gl.constexpr):
+    """Online-softmax step on the raw scores S of key block n0: (P as the P·V
+    operand, new row max, the rescale factor of the running sums, new row sum)."""
+    # One scale per key tile for K's copy; with Q's token scale a row factor.
+    if _is_low(n0, k1, k2, k3, HAS_LO):
+        row = ql_t * gl.load(kl_ts + kts_base + (n0 // 128) * HKV)
+    else:
+        row = qh_t * gl.load(kh_ts + kts_base + (n0 // 128) * HKV)
+    if MASK:
+        # Scale before masking: a zero row factor times -inf would be NaN.
+        s = s * row[:, None]
+        row = gl.full(m_i.shape, 1.0, gl.float32, m_i.type.layout)
+        t = n0 + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+        valid = (t < Lk)[None, :]
+        if CAUSAL:
+            valid = valid & (t[None, :] <= p[:, None])
+        s = gl.where(valid, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * row)
+    if MASK:
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    alpha = gl.exp2(m_i - m_safe)
+    pr = gl.exp2(s * row[:, None] - m_safe[:, None])
+    l_i = l_i * alpha + gl.sum(pr, axis=1)
+    return gl.convert_layout(pr.to(p_dtype), p_layout), m_new, alpha, l_i
+
+
+@gluon.jit
+def _consume_run(acc, m_i, l_i, pa, q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
                  qh_t, ql_t, kh_ts, kl_ts, kts_base, p, Lk, HKV, k1, k2, k3, lo, hi,
                  D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 MASK: gl.constexpr, PV_FP8: gl.constexpr, HAS_LO: gl.constexpr, Q_ROW0: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Online softmax over key blocks [lo, hi) for this warpgroup's 64 rows."""
-    HALF: gl.constexpr = 64
-    if PV_FP8:
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
-    else:
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    offs = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-    s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+                 MASK: gl.constexpr, HAS_LO: gl.constexpr, HALF_IDX: gl.constexpr,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_dtype: gl.constexpr, p_layout: gl.constexpr):
+    """Key blocks [lo, hi), lo >= 1, for this warpgroup's 64 rows, in FA3's order:
+    block j's Q·Kᵀ and block j-1's P·V go to the tensor cores together, and the
+    softmax of block j runs while the P·V is in flight. ``pa`` is block lo-1's P."""
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 // BLOCK_N
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        low = _is_low(n0, k1, k2, k3, HAS_LO)
-        mbarrier.wait(k_ready.index(slot), phase)
-        fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it async
-        qa = q_smem.index(low.to(gl.int32)).slice(Q_ROW0, HALF, dim=0)
-        s = warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero,
-                          use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        mbarrier.arrive(k_free.index(slot))
-        # One scale per key tile for K's copy; with Q's token scale a row factor.
-        if low:
-            row = ql_t * gl.load(kl_ts + kts_base + (n0 // 128) * HKV)
-        else:
-            row = qh_t * gl.load(kh_ts + kts_base + (n0 // 128) * HKV)
-        if MASK:
-            # Scale before masking: a zero row factor times -inf would be NaN.
-            s = s * row[:, None]
-            row = gl.full(m_i.shape, 1.0, gl.float32, m_i.type.layout)
-            t = n0 + offs
-            valid = (t < Lk)[None, :]
-            if CAUSAL:
-                valid = valid & (t[None, :] <= p[:, None])
-            s = gl.where(valid, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * row)
-        if MASK:
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_safe = m_new
-        alpha = gl.exp2(m_i - m_safe)
-        if PV_FP8:
-            pr = gl.exp2(s * row[:, None] - (m_safe - 8.0)[:, None])
-        else:
-            pr = gl.exp2(s * row[:, None] - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(pr, axis=1)
-        if PV_FP8:
-            pa = gl.convert_layout(pr.to(gl.float8e4nv), p_layout)
-        else:
-            pa = gl.convert_layout(pr.to(v_smem.dtype), p_layout)
+        s = _issue_qk(q_smem, k_smem, k_ready, n0, k1, k2, k3, s_zero, BLOCK_N, STAGES, HAS_LO, HALF_IDX * 64)
+        pv = _issue_pv(pa, acc, v_smem, v_ready, j - 1, STAGES)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+        mbarrier.arrive(k_free.index(j % STAGES))
+        pa_next, m_i, alpha, l_i = _softmax(s, m_i, l_i, n0, k1, k2, k3, qh_t, ql_t, kh_ts, kl_ts, kts_base, p,
+                                            Lk, HKV, CAUSAL, MASK, HAS_LO, p_dtype, p_layout)
+        acc = _finish_pv(pv, pa)
+        mbarrier.arrive(v_free.index((j - 1) % STAGES))
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        mbarrier.wait(v_ready.index(slot), phase)
-        fence_async_shared()
-        if PV_FP8:
-            # Each block's FP8 product starts from zero and is added in fp32.
-            pv = warpgroup_mma(pa, v_smem.index(slot).permute((1, 0)), gl.zeros_like(acc), use_acc=False,
-                               is_async=True)
-            pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
-            acc = acc + pv
-        else:
-            acc = warpgroup_mma(pa, v_smem.index(slot), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(v_free.index(slot))
-        m_i = m_new
-    return acc, m_i, l_i
+        pa = pa_next
+    return acc, m_i, l_i, pa
 
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
-              qh_ts, ql_ts, kh_ts, kl_ts, v_scale, o_ptr,
+              qh_ts, ql_ts, kh_ts, kl_ts, o_ptr,
               b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
               D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              PV_FP8: gl.constexpr, HAS_LO: gl.constexpr, HALF_IDX: gl.constexpr):
+              HAS_LO: gl.constexpr, HALF_IDX: gl.constexpr):
     """One warpgroup: 64 query rows from p0 + 64 * HALF_IDX."""
     HALF: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
-    if PV_FP8:
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 32])
-    else:
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     p_lo = p0 + HALF_IDX * HALF
     p = p_lo + gl.arange(0, HALF, row_layout)
@@ -224,17 +226,33 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
     if CAUSAL:
         safe = gl.maximum(gl.minimum(safe, ((p_lo + 1) // BLOCK_N) * BLOCK_N), 0)
     split = gl.minimum(safe, kend)
-    acc, m_i, l_i = _consume_run(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
-                                 qh_t, ql_t, kh_ts, kl_ts, kts_base, p, Lk, HKV, k1, k2, k3, 0, split,
-                                 D, BLOCK_N, STAGES, CAUSAL, False, PV_FP8, HAS_LO, HALF_IDX * HALF, s_layout, o_layout)
-    acc, m_i, l_i = _consume_run(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
-                                 qh_t, ql_t, kh_ts, kl_ts, kts_base, p, Lk, HKV, k1, k2, k3, split, kend,
-                                 D, BLOCK_N, STAGES, CAUSAL, True, PV_FP8, HAS_LO, HALF_IDX * HALF, s_layout, o_layout)
+    # P goes to the P·V from registers, in V's dtype.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_dtype: gl.constexpr = v_smem.dtype
+    if kend > 0:  # else no key block: the loader copies nothing, the rows stay empty
+        # Block 0 alone (masked: it may hold the causal edge), then blocks 1.. in
+        # pairs with the previous block's P·V, then the last block's P·V.
+        s = _issue_qk(q_smem, k_smem, k_ready, 0, k1, k2, k3, gl.zeros([HALF, BLOCK_N], gl.float32, s_layout),
+                      BLOCK_N, STAGES, HAS_LO, HALF_IDX * HALF)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        mbarrier.arrive(k_free.index(0))
+        pa, m_i, alpha, l_i = _softmax(s, m_i, l_i, 0, k1, k2, k3, qh_t, ql_t, kh_ts, kl_ts, kts_base, p, Lk, HKV,
+                                       CAUSAL, True, HAS_LO, p_dtype, p_layout)
+        acc, m_i, l_i, pa = _consume_run(acc, m_i, l_i, pa, q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
+                                         qh_t, ql_t, kh_ts, kl_ts, kts_base, p, Lk, HKV, k1, k2, k3,
+                                         BLOCK_N, split, D, BLOCK_N, STAGES, CAUSAL, False, HAS_LO,
+                                         HALF_IDX, s_layout, o_layout, p_dtype, p_layout)
+        acc, m_i, l_i, pa = _consume_run(acc, m_i, l_i, pa, q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
+                                         qh_t, ql_t, kh_ts, kl_ts, kts_base, p, Lk, HKV, k1, k2, k3,
+                                         gl.maximum(split, BLOCK_N), kend, D, BLOCK_N, STAGES, CAUSAL, True,
+                                         HAS_LO, HALF_IDX, s_layout, o_layout, p_dtype, p_layout)
+        last = kend // BLOCK_N - 1
+        pv = _issue_pv(pa, acc, v_smem, v_ready, last, STAGES)
+        acc = _finish_pv(pv, pa)
+        mbarrier.arrive(v_free.index(last % STAGES))
 
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     cols = gl.arange(0, D, gl.SliceLayout(0, o_layout))
-    if PV_FP8:
-        acc = acc * gl.load(v_scale + (b * HKV + kvh) * D + cols)[None, :]
     l_o = gl.convert_layout(l_i, o_rows)
     out = gl.where(l_o[:, None] > 0, acc / l_o[:, None], 0.0)
     out = gl.where((l_o != l_o)[:, None], float("nan"), out)  # keep NaN rows NaN
@@ -244,32 +262,32 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
 
 
 @gluon.jit
-def _consumer_0(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts, v_scale,
+def _consumer_0(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts,
                 o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
                 D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                PV_FP8: gl.constexpr, HAS_LO: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts, v_scale,
+                HAS_LO: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts,
               o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
-              D, BLOCK_N, STAGES, CAUSAL, PV_FP8, HAS_LO, 0)
+              D, BLOCK_N, STAGES, CAUSAL, HAS_LO, 0)
 
 
 @gluon.jit
-def _consumer_1(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts, v_scale,
+def _consumer_1(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts,
                 o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
                 D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                PV_FP8: gl.constexpr, HAS_LO: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts, v_scale,
+                HAS_LO: gl.constexpr):
+    _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts,
               o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
-              D, BLOCK_N, STAGES, CAUSAL, PV_FP8, HAS_LO, 1)
+              D, BLOCK_N, STAGES, CAUSAL, HAS_LO, 1)
 
 
 @gluon.jit
 def _dma_attention_sm90_kernel(
-    qh_f8, qh_ts, ql_f8, ql_ts, kh_f8, kh_ts, kl_f8, kl_ts, v_ptr, vt_ptr, v_scale,
+    qh_f8, qh_ts, ql_f8, ql_ts, kh_f8, kh_ts, kl_f8, kl_ts, v_ptr,
     Lq, Lk, HQ, HKV, q_offset, block0, diag, sink,
     o_ptr,
     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    PV_FP8: gl.constexpr, HAS_LO: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    HAS_LO: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):
     """Operands as for ``attention._dma_attention_kernel``'s FP8 path; grid
     (query blocks of 128, HQ, B), 4 warps (the first consumer) plus the workers."""
@@ -300,14 +318,8 @@ def _dma_attention_sm90_kernel(
 
     k_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(D, 128), element_bitwidth=8, rank=2)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], k_shared)
-    if PV_FP8:
-        v_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(BLOCK_N, 128), element_bitwidth=8,
-                                                      rank=2)
-        v_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, D, BLOCK_N], v_shared)
-    else:
-        v_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(2 * D, 128), element_bitwidth=16,
-                                                      rank=2)
-        v_smem = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, BLOCK_N, D], v_shared)
+    v_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(2 * D, 128), element_bitwidth=16, rank=2)
+    v_smem = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, BLOCK_N, D], v_shared)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -319,39 +331,53 @@ def _dma_attention_sm90_kernel(
         mbarrier.init(v_free.index(i), count=2)
 
     kv_base = (b.to(gl.int64) * Lk) * HKV + kvh
-    vt_base = ((b * HKV + kvh).to(gl.int64) * D) * (gl.cdiv(Lk, 16) * 16)
     kh_p = kh_f8.to(gl.pointer_type(gl.float8e4nv), bitcast=True)
     kl_p = kl_f8.to(gl.pointer_type(gl.float8e4nv), bitcast=True)
-    vt_p = vt_ptr.to(gl.pointer_type(gl.float8e4nv), bitcast=True)
     gl.warp_specialize([
         (_consumer_0, (q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts,
-                       v_scale, o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
-                       D, BLOCK_N, STAGES, CAUSAL, PV_FP8, HAS_LO)),
+                       o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
+                       D, BLOCK_N, STAGES, CAUSAL, HAS_LO)),
         (_consumer_1, (q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts,
-                       v_scale, o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
-                       D, BLOCK_N, STAGES, CAUSAL, PV_FP8, HAS_LO)),
-        (_loader, (k_smem, v_smem, k_ready, k_free, v_ready, v_free, kh_p, kl_p, v_ptr, vt_p, kv_base, vt_base,
-                   Lk, HKV, k1, k2, k3, kend, D, BLOCK_N, STAGES, PV_FP8, HAS_LO, LOADER_WARPS)),
+                       o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
+                       D, BLOCK_N, STAGES, CAUSAL, HAS_LO)),
+        (_loader, (k_smem, v_smem, k_ready, k_free, v_ready, v_free, kh_p, kl_p, v_ptr, kv_base,
+                   Lk, HKV, k1, k2, k3, kend, D, BLOCK_N, STAGES, HAS_LO, LOADER_WARPS)),
     ], [CONSUMER_WARPS, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
+def applies(capability: tuple[int, int] | None, head_dim: int, dtype: str, pv_fp8: bool,
+            native: tuple[bool, bool]) -> bool:
+    """Whether a DMA call takes this kernel rather than the Triton one: an sm_90 GPU,
+    head_dim 128, bf16/fp16 V and P·V, Q·Kᵀ on the FP8 copies. Elsewhere the Triton
+    kernel measured as fast or faster on the H200 (NOTES.md, session 10)."""
+    return (capability == (9, 0) and head_dim == 128 and dtype in ("bfloat16", "float16") and not pv_fp8
+            and not any(native))
+
+
+def launch_meta(head_dim: int, causal: bool, has_lo: bool) -> dict:
+    """Constexpr arguments of ``_dma_attention_sm90_kernel``: 216 registers per
+    consumer thread and 64 per loader thread (one program of 384 threads per SM).
+    A third K/V slot measured +3% causal and -8% non-causal (H200, 8k and 16k,
+    head_dim 128, ``benchmarks/sm90_kernel.py``)."""
+    return dict(D=head_dim, BLOCK_N=128, STAGES=3 if causal else 2, CAUSAL=causal, HAS_LO=has_lo, CONSUMER_REGS=216,
+                LOADER_REGS=64)
+
+
 def sm90_attention(q8, k8, v: torch.Tensor, *, q_len: int, causal: bool, q_offset: int, diag: int, sink: int,
-                   has_lo: bool = True, vt: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                   block_n: int = 128, stages: int = 2, consumer_regs: int = 216,
-                   loader_regs: int = 64) -> torch.Tensor:
+                   has_lo: bool = True, **tuning) -> torch.Tensor:
     """Launch the Gluon kernel on the FP8 copies of ``DualQuantized`` Q and K (K's
-    per 128-key tile) and V ``[B, Lk, HKV, D]``; ``vt`` / ``v_scale`` select the FP8 P·V."""
+    per 128-key tile) and V ``[B, Lk, HKV, D]`` (bf16/fp16). ``tuning`` overrides
+    ``launch_meta``'s constexprs (``STAGES``, ...) for the benchmarks."""
     b, kv_len, hkv, d = v.shape
     check_extent(kv_len, hkv, d)
+    if v.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the sm_90 kernel takes bf16 or fp16 V; got {v.dtype}")
     qa, ka = operands(q8), operands(k8)
     hq = q8.hi_ts.shape[2]
     n_m, block0 = query_blocks(q_len, q_offset, BLOCK_M)
     out = torch.empty((b, q_len, hq, d), dtype=v.dtype, device=v.device)
-    pv_fp8 = vt is not None
     _dma_attention_sm90_kernel[(n_m, hq, b)](
-        qa[5], qa[6], qa[7], qa[8], ka[5], ka[6], ka[7], ka[8], v, vt if pv_fp8 else v,
-        v_scale if pv_fp8 else v, q_len, kv_len, hq, hkv, q_offset, block0, diag, sink, out,
-        D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=causal, PV_FP8=pv_fp8, HAS_LO=has_lo,
-        CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs, num_warps=4,
+        *qa[5:], *ka[5:], v, q_len, kv_len, hq, hkv, q_offset, block0, diag, sink, out,
+        **{**launch_meta(d, causal, has_lo), **tuning}, num_warps=4,
     )
     return out
