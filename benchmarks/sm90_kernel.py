@@ -68,7 +68,7 @@ def kernels(q8, k8, v, *, q_len, causal, q_offset, diag, sink, has_lo):
     return {
         "triton": lambda: mx_attention(q8, k8, v, high="mxfp8_e4m3", low="nvfp4", native=(False, False), **kw),
         "gluon": lambda: sm90_attention(q8, k8, v, **kw),
-        "gluon_other_stages": lambda: sm90_attention(q8, k8, v, STAGES=5 - stages, **kw),
+        "gluon_other_stages": lambda: sm90_attention(q8, k8, v, STAGES={2: 3, 3: 2}[stages], **kw),
     }
 
 

@@ -74,8 +74,7 @@ def _plans(monkeypatch, capability, config, causal, q_len, kv_len, heads, dim):
     plain_launch_config = attn.launch_config
     monkeypatch.setattr(attn, "launch_config",
                         lambda d, c, p, _cap, unquantized=False: plain_launch_config(d, c, p, capability, unquantized))
-    monkeypatch.setattr(dma, "resolve_native", lambda device, low, native: attn.native_formats(capability, low))
-    monkeypatch.setattr(dma, "_capability", lambda device: capability)
+    monkeypatch.setattr(dma, "device_capability", lambda device: capability)
     monkeypatch.setattr(kernels, "_capability", lambda: capability)
     monkeypatch.setattr(kernels, "import_jax_triton", lambda: types.SimpleNamespace(triton_call=_fake_call(jax_log)))
     monkeypatch.setattr(kernels, "gluon_call", _fake_call(jax_log))

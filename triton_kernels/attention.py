@@ -434,13 +434,18 @@ def attention_meta(head_dim: int, *, causal: bool, high: str, low: str, native: 
     )
 
 
-def resolve_native(device: torch.device, low: str, native: bool | None) -> tuple[bool, bool]:
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability kernels on ``device`` compile for; None in the interpreter or off CUDA."""
+    if interpreting() or device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def resolve_native(capability: tuple[int, int] | None, low: str, native: bool | None) -> tuple[bool, bool]:
     """(high, low) ``tl.dot_scaled`` switches: forced by ``native``, else by GPU."""
     if native is not None:
         return native, native
-    if interpreting() or device.type != "cuda":
-        return False, False
-    return native_formats(torch.cuda.get_device_capability(device), low)
+    return native_formats(capability, low)
 
 
 def operands(x8) -> tuple:

@@ -5,7 +5,7 @@ FP8 path with P·V in the input's bf16/fp16 (the quantizer's E4M3 copies of Q pe
 token and of K per 128-key tile), but one program holds 128 query rows in two
 consumer warpgroups of 64 rows each plus one loader warpgroup (``gl.warp_specialize``):
 
-* the loader copies K (and V or V^T) blocks into a ring of shared-memory slots
+* the loader copies K and V blocks into a ring of shared-memory slots
   with ``cp.async`` and signals each slot on an mbarrier; the consumers give a
   slot back on another once their MMAs have read it;
 * each consumer runs Q·Kᵀ → softmax → P·V for its rows, issuing block j's Q·Kᵀ
