@@ -13,20 +13,21 @@ default config and the Hopper preset, causal and not, it times
   faster than back-to-back runs of the same kernel (NOTES.md, session 8);
 
 and reports the attention kernel's registers per thread, spilled bytes and
-shared memory as Triton compiled it (torch launch). Prints a table and writes
-``results/profile_attention_<gpu>.json``.
+shared memory as Triton compiled it (torch launch; for the Gluon kernel, which DMA
+default runs at D=128, ptxas's count before ``setmaxnreg`` gives each warpgroup its
+share). Prints a table and writes ``results/profile_attention_<gpu>.json``.
 
 ``--once`` launches each attention kernel once and exits, for a hardware
 profile of exactly those launches::
 
     python benchmarks/profile_attention.py [--seq 8192]
-    ncu --clock-control none -k regex:_dma_attention -c 2 --metrics "$METRICS" \\
+    ncu --clock-control none -k regex:_dma_attention -c 4 --metrics "$METRICS" \\
         python benchmarks/profile_attention.py --once
 
 with METRICS the comma-separated list in ``results/ncu_attention_h200.txt`` (issue
 activity, the MUFU/FMA/ALU/shared (MMA) pipes, active warps, occupancy limits, the main
 stall reasons). The launches come in the order default non-causal, default causal, preset
-non-causal, preset causal; that file (session 7) holds the first, ncu failed on the second.
+non-causal, preset causal.
 """
 
 from __future__ import annotations
@@ -45,17 +46,20 @@ from attention import CONFIGS, KV_HEADS, Q_HEADS, copies_needed, dma_fn, quantiz
 from dma_jax import bridge
 from dma_jax.kernels import attend_operands
 from triton_kernels import attention as attn
-from triton_kernels.dma import dma_attention, softmax_fold
+from triton_kernels import attention_sm90 as attn90
+from triton_kernels.dma import attend, dma_attention, softmax_fold
 from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
 
 
 def compiled_kernels() -> dict[int, object]:
-    """The attention kernel's compiled variants in Triton's JIT cache, by id."""
+    """The attention kernels' compiled variants in Triton's JIT caches (the Triton
+    kernel and the Gluon one), by id."""
     found = {}
-    for cache in getattr(attn._dma_attention_kernel, "device_caches", {}).values():
-        for part in cache if isinstance(cache, tuple) else (cache,):
-            if isinstance(part, dict):
-                found.update({id(k): k for k in part.values() if hasattr(k, "n_regs")})
+    for kernel in (attn._dma_attention_kernel, attn90._dma_attention_sm90_kernel):
+        for cache in getattr(kernel, "device_caches", {}).values():
+            for part in cache if isinstance(cache, tuple) else (cache,):
+                if isinstance(part, dict):
+                    found.update({id(k): k for k in part.values() if hasattr(k, "n_regs")})
     return found
 
 
@@ -80,9 +84,11 @@ def launches(cfg, causal, q, k, v):
     }
     if cfg.pv == "fp8":
         stages["v_fp8_transpose"] = lambda: fp8_transpose(v)
-    stages["attention"] = lambda: attn.mx_attention(
-        q8, k8, v, q_len=q.shape[1], causal=causal, q_offset=0, diag=cfg.diag_tiles, sink=cfg.sink_tiles,
-        high=cfg.high, low=cfg.low, native=(False, False), has_lo=has_lo, vt=vt, v_scale=v_scale)
+    # The launch a call makes (the Gluon kernel where it applies, DMA default at D=128).
+    stages["attention"] = lambda: attend(
+        q8, k8, v, vt, v_scale, q_len=q.shape[1], causal=causal, q_offset=0, diag=cfg.diag_tiles,
+        sink=cfg.sink_tiles, high=cfg.high, low=cfg.low, native=(False, False), has_lo=has_lo,
+        capability=attn.device_capability(q.device))
     return stages
 
 

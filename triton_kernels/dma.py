@@ -2,7 +2,7 @@
 
 Four launches (mean partials, mean, quantize Q, quantize K), two more for the
 FP8 P·V (V's channel amax partials, its transposed E4M3 copy), and one attention
-launch: the Gluon kernel of ``attention_sm90`` where ``attention_sm90.applies``,
+launch (``attend``): the Gluon kernel of ``attention_sm90`` where ``attention_sm90.applies``,
 else ``attention``'s. The JAX front end (``dma_jax.kernels``) issues the same
 launches through jax-triton (the Gluon kernel through ``dma_jax.gluon_call``). This module never imports JAX.
 """
@@ -42,9 +42,18 @@ def dma_attention(
     q8 = dual_quantize(q, fold=softmax_fold(sm_scale), **copies)
     k8 = dual_quantize(k, mean=mean, per_tile=copies["fp8"], **copies)
     vt, v_scale = fp8_transpose(v) if pv == "fp8" else (None, None)
-    if sm90_applies(capability, q.shape[3], str(v.dtype).removeprefix("torch."), pv == "fp8", tiles):
-        return sm90_attention(q8, k8, v, q_len=q.shape[1], causal=causal, q_offset=q_offset, diag=diag_tiles,
-                              sink=sink_tiles, has_lo=has_lo)
-    return mx_attention(q8, k8, v, q_len=q.shape[1], causal=causal, q_offset=q_offset,
-                        diag=diag_tiles, sink=sink_tiles, high=high, low=low, native=tiles,
-                        has_lo=has_lo, vt=vt, v_scale=v_scale)
+    return attend(q8, k8, v, vt, v_scale, q_len=q.shape[1], causal=causal, q_offset=q_offset, diag=diag_tiles,
+                  sink=sink_tiles, high=high, low=low, native=tiles, has_lo=has_lo, capability=capability)
+
+
+def attend(q8, k8, v: torch.Tensor, vt: torch.Tensor | None, v_scale: torch.Tensor | None, *, q_len: int,
+           causal: bool, q_offset: int, diag: int, sink: int, high: str, low: str, native: tuple[bool, bool],
+           has_lo: bool, capability: tuple[int, int] | None) -> torch.Tensor:
+    """The attention launch of a DMA call on its quantized operands (``dual_quantize``'s
+    Q and K, V and, for the FP8 P·V, ``fp8_transpose``'s V^T and scales): the Gluon
+    kernel where ``attention_sm90.applies``, else the Triton kernel."""
+    if sm90_applies(capability, v.shape[3], str(v.dtype).removeprefix("torch."), vt is not None, native):
+        return sm90_attention(q8, k8, v, q_len=q_len, causal=causal, q_offset=q_offset, diag=diag, sink=sink,
+                              has_lo=has_lo)
+    return mx_attention(q8, k8, v, q_len=q_len, causal=causal, q_offset=q_offset, diag=diag, sink=sink, high=high,
+                        low=low, native=native, has_lo=has_lo, vt=vt, v_scale=v_scale)
