@@ -5,8 +5,9 @@ GPU only (torch + triton). For Q/K of shape [B, S, H, D] in bf16 it times, with
 smooth-K mean reduction, the dual quantization (MXFP8 + NVFP4 or MXFP4) in its
 three output modes (the FP8 copies sm_90 reads with a scale per token as for Q
 or per 128-token tile as for K, the codes sm_100 reads) and V's transposed FP8
-copy. Bandwidth counts the bytes each kernel reads and
-writes. Times are medians of CUDA-graph replays (``do_bench_cudagraph``): these launches
+copy. A second table times the smooth-K mean at each of ``MEAN_CHUNKS`` tokens per
+program, next to the chunk ``mean_chunk`` picks for the shape. Bandwidth counts the
+bytes each kernel reads and writes. Times are medians of CUDA-graph replays (``do_bench_cudagraph``): these launches
 take tens of µs, less than the host time of a torch launcher call (output allocation and
 Triton's argument binding), which timed call by call was most of what session 6's table
 measured (NOTES.md). The replays do not flush L2 between calls; the default shapes' inputs
@@ -34,7 +35,7 @@ import os
 import torch
 import triton
 
-from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
+from triton_kernels.quantize import MEAN_CHUNKS, channel_mean, dual_quantize, fp8_transpose, mean_chunk
 
 
 def quantize_bytes(shape, low: str, mode: str) -> int:
@@ -102,8 +103,17 @@ def main() -> None:
         bw = x.numel() * (2 + 2 + 1) / t / 1e6  # read twice (amax, values), write one byte
         row["v_transpose_ms"], row["v_transpose_GBps"] = t, bw
         cells.append(f"{bw:.0f} ({bw / copy_bw:.2f})")
+        row["mean_chunk"] = mean_chunk(shape)
+        row["mean_by_chunk_ms"] = {c: bench(lambda c=c: channel_mean(x, chunk=c)) for c in MEAN_CHUNKS}
         rows.append(row)
         print(f"| {text} | {copy_bw:.0f} | " + " | ".join(cells) + " |", flush=True)
+    print("\nsmooth-K mean, µs per chunk of tokens per program (ratio to the largest chunk)")
+    print("| shape [B,S,H,D] | " + " | ".join(str(c) for c in MEAN_CHUNKS) + " | picked |")
+    print("|---|" + "---:|" * (len(MEAN_CHUNKS) + 1))
+    for text, row in zip(args.shapes.split(","), rows):
+        by = row["mean_by_chunk_ms"]
+        cells = [f"{by[c] * 1e3:.1f} ({by[c] / by[MEAN_CHUNKS[0]]:.2f})" for c in MEAN_CHUNKS]
+        print(f"| {text} | " + " | ".join(cells) + f" | {row['mean_chunk']} |")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "quantize_h200.json" if "H200" in torch.cuda.get_device_name() else "quantize_gpu.json")
     with open(path, "w") as fh:

@@ -21,7 +21,8 @@ from dma_jax.formats import FORMATS as JAX_FORMATS
 from dma_jax.formats import fp8_per_channel, fp8_per_tile, fp8_per_token
 from triton_kernels.attention import interpreting
 from triton_kernels.mx import div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small, round_e2m1, round_e4m3
-from triton_kernels.quantize import FORMATS, channel_mean, dual_quantize, fp8_transpose, quantize_meta
+from triton_kernels.quantize import (FORMATS, MEAN_MIN_PROGRAMS, channel_mean, dual_quantize, fp8_transpose, mean_chunk,
+                                     mean_launches, quantize_meta)
 
 from conftest import HAS_CUDA
 
@@ -296,9 +297,25 @@ def test_channel_mean_against_float64():
     x = inputs("outliers", (2, 300, 3, 64), seed=5)
     xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
     want = xt.double().mean(dim=1).cpu().numpy()
-    for chunk in (64, 100, 512):  # several partial sums, a ragged last chunk, one chunk
+    for chunk in (64, 100, 512, None):  # several partial sums, a ragged last chunk, one chunk, the default
         got = channel_mean(xt, chunk=chunk).cpu().numpy()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape, want", [
+    ((1, 1024, 8, 128), 64),     # 16 programs of 64: still too few, the smallest chunk
+    ((1, 2048, 8, 128), 64),     # 256 programs of 64
+    ((1, 4096, 8, 128), 128),    # 256 programs of 128
+    ((1, 8192, 8, 128), 256),    # 256 programs of 256
+    ((4, 4096, 8, 128), 256),
+    ((1, 300, 3, 64), 64),
+])
+def test_mean_chunk_keeps_the_gpu_busy(shape, want):
+    assert MEAN_MIN_PROGRAMS == 256
+    assert mean_chunk(shape) == want
+    grid, _, parts, n_chunks, chunk = mean_launches(shape)
+    assert chunk == want and n_chunks == -(-shape[1] // want) and grid == (n_chunks, shape[2], shape[0])
+    assert parts == (n_chunks, shape[0], shape[2], shape[3])
 
 
 def test_format_tables_agree():

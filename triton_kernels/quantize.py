@@ -364,17 +364,31 @@ class DualQuantized:
 # jax-triton uses, so the torch launchers and the JAX lowering share one kernel.
 QUANTIZE_BLOCK_T = 16
 QUANTIZE_WARPS = 4
-MEAN_CHUNK = 256
+# Tokens per program of the channel reductions (smooth-K mean, V's amax), largest
+# first: a short sequence takes smaller chunks so that the launch still has
+# MEAN_MIN_PROGRAMS programs (H200, 8 heads: 1k tokens 10.3 -> 5.4 us with 64
+# instead of 256; 32k tokens are fastest with 256; NOTES.md, session 12).
+MEAN_CHUNKS = (256, 128, 64)
+MEAN_MIN_PROGRAMS = 256
 MEAN_BLOCK_T = 64
 TRANSPOSE_BLOCK_T = 64
 
 
-def mean_launches(shape: tuple[int, ...], chunk: int = MEAN_CHUNK):
-    """(grid, partial shape) of the channel reductions of x ``[B, L, H, D]``: partials,
-    then the combination (grid of the mean; the FP8 transpose uses ``transpose_grid``)."""
+def mean_chunk(shape: tuple[int, ...]) -> int:
+    """Tokens per program of the channel reductions of x ``[B, L, H, D]``: the largest
+    of MEAN_CHUNKS that gives at least MEAN_MIN_PROGRAMS programs, else the smallest."""
+    b, l, h, _ = shape
+    return next((c for c in MEAN_CHUNKS if triton.cdiv(l, c) * h * b >= MEAN_MIN_PROGRAMS), MEAN_CHUNKS[-1])
+
+
+def mean_launches(shape: tuple[int, ...], chunk: int | None = None):
+    """(grid of the partials, grid of the mean, partial shape, number of chunks, chunk)
+    of the channel reductions of x ``[B, L, H, D]`` (the FP8 transpose uses
+    ``transpose_grid``); ``chunk`` defaults to ``mean_chunk(shape)``."""
     b, l, h, d = shape
+    chunk = chunk or mean_chunk(shape)
     n_chunks = triton.cdiv(l, chunk)
-    return (n_chunks, h, b), (h, b), (n_chunks, b, h, d), n_chunks
+    return (n_chunks, h, b), (h, b), (n_chunks, b, h, d), n_chunks, chunk
 
 
 def padded_length(length: int) -> int:
@@ -439,16 +453,17 @@ def quantize_grid(shape: tuple[int, ...], block_t: int = QUANTIZE_BLOCK_T,
     return (triton.cdiv(l, TILE if per_tile else block_t), h, b)
 
 
-def _channel_partials(x: torch.Tensor, amax: bool, chunk: int = MEAN_CHUNK):
+def _channel_partials(x: torch.Tensor, amax: bool, chunk: int | None = None):
     b, l, h, d = x.shape
-    grid, _, part_shape, n_chunks = mean_launches(x.shape, chunk)
+    grid, _, part_shape, n_chunks, chunk = mean_launches(x.shape, chunk)
     parts = torch.empty(part_shape, dtype=torch.float32, device=x.device)
     _channel_reduce_kernel[grid](x, l, h, chunk, parts, D=d, BLOCK_T=MEAN_BLOCK_T, AMAX=amax)
     return parts, n_chunks
 
 
-def channel_mean(x: torch.Tensor, chunk: int = MEAN_CHUNK) -> torch.Tensor:
-    """Float32 mean of ``x [B, L, H, D]`` over L, shape ``[B, H, D]`` (deterministic)."""
+def channel_mean(x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """Float32 mean of ``x [B, L, H, D]`` over L, shape ``[B, H, D]`` (deterministic;
+    ``chunk`` tokens per partial sum, by default ``mean_chunk``)."""
     b, l, h, d = x.shape
     parts, n_chunks = _channel_partials(x, False, chunk)
     mean = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
