@@ -7,11 +7,12 @@ three output modes (the FP8 copies sm_90 reads with a scale per token as for Q
 or per 128-token tile as for K, the codes sm_100 reads) and V's transposed FP8
 copy. A second table times the smooth-K mean at each of ``MEAN_CHUNKS`` tokens per
 program, next to the chunk ``mean_chunk`` picks for the shape. Bandwidth counts the
-bytes each kernel reads and writes. Times are medians of CUDA-graph replays (``do_bench_cudagraph``): these launches
-take tens of µs, less than the host time of a torch launcher call (output allocation and
-Triton's argument binding), which timed call by call was most of what session 6's table
-measured (NOTES.md). The replays do not flush L2 between calls; the default shapes' inputs
-(64-128 MiB) are larger than the H200's 50 MiB L2. Prints a table, writes JSON.
+bytes each kernel reads and writes. Times are medians of CUDA-graph replays
+(``do_bench_cudagraph``): these launches take tens of µs, less than the host time of a
+torch launcher call (output allocation and Triton's argument binding), which timed call by
+call was most of what session 6's table measured (NOTES.md). The replays do not flush L2
+between calls; the default shapes' inputs (64-128 MiB) are larger than the H200's 50 MiB L2.
+Prints a table, writes JSON.
 
     python benchmarks/quantize.py [--shapes 1x8192x32x128,1x16384x8x128]
 

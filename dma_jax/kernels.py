@@ -77,18 +77,19 @@ def quantize_operands(q, k, v, *, config: DMAConfig, q_offset: int):
     copies = dict(codes=any(native), fp8=not all(native), write_lo=has_lo)
 
     def channel_partials(x, amax):
-        grid, _, part_shape, _, chunk = quant.mean_launches(x.shape)
+        plan = quant.mean_launches(x.shape)
         return jt.triton_call(
-            x, x.shape[1], x.shape[2], chunk, kernel=quant._channel_reduce_kernel,
-            out_shape=_sds(part_shape, np.float32), grid=grid, D=dim, BLOCK_T=quant.MEAN_BLOCK_T, AMAX=amax,
+            x, x.shape[1], x.shape[2], plan.chunk, kernel=quant._channel_reduce_kernel,
+            out_shape=_sds(plan.part_shape, np.float32), grid=plan.grid, D=dim, BLOCK_T=quant.MEAN_BLOCK_T,
+            AMAX=amax,
         )
 
     mean = k
     if config.smooth_k:
-        _, grid_mean, _, n_chunks, _ = quant.mean_launches(k.shape)
+        plan = quant.mean_launches(k.shape)
         mean = jt.triton_call(
-            channel_partials(k, False), kv_len, kv_heads, n_chunks, kernel=quant._channel_mean_kernel,
-            out_shape=_sds((batch, kv_heads, dim), np.float32), grid=grid_mean, D=dim,
+            channel_partials(k, False), kv_len, kv_heads, plan.n_chunks, kernel=quant._channel_mean_kernel,
+            out_shape=_sds((batch, kv_heads, dim), np.float32), grid=plan.mean_grid, D=dim,
         )
 
     def dual(x, shift, fold, smooth, per_tile):
@@ -104,9 +105,9 @@ def quantize_operands(q, k, v, *, config: DMAConfig, q_offset: int):
     k8 = dual(k, mean, 1.0, config.smooth_k, copies["fp8"])
     vt = v_scale = v
     if config.pv == "fp8":
-        _, _, _, n_chunks, _ = quant.mean_launches(v.shape)
         vt, v_scale = jt.triton_call(
-            v, channel_partials(v, True), kv_len, kv_heads, n_chunks, kernel=quant._fp8_transpose_kernel,
+            v, channel_partials(v, True), kv_len, kv_heads, quant.mean_launches(v.shape).n_chunks,
+            kernel=quant._fp8_transpose_kernel,
             out_shape=[_sds((batch, kv_heads, dim, quant.padded_length(kv_len)), np.uint8),
                        _sds((batch, kv_heads, dim), np.float32)],
             grid=quant.transpose_grid(v.shape), D=dim, BLOCK_T=quant.TRANSPOSE_BLOCK_T, HW_CVT=True,

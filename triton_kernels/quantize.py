@@ -23,6 +23,7 @@ This module imports torch and triton only, never JAX.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -381,14 +382,24 @@ def mean_chunk(shape: tuple[int, ...]) -> int:
     return next((c for c in MEAN_CHUNKS if triton.cdiv(l, c) * h * b >= MEAN_MIN_PROGRAMS), MEAN_CHUNKS[-1])
 
 
-def mean_launches(shape: tuple[int, ...], chunk: int | None = None):
-    """(grid of the partials, grid of the mean, partial shape, number of chunks, chunk)
-    of the channel reductions of x ``[B, L, H, D]`` (the FP8 transpose uses
-    ``transpose_grid``); ``chunk`` defaults to ``mean_chunk(shape)``."""
+class MeanLaunches(NamedTuple):
+    """The channel reductions of x ``[B, L, H, D]``: partial sums (or amaxes) over
+    chunks of tokens, then their combination (the FP8 transpose uses ``transpose_grid``)."""
+
+    grid: tuple[int, int, int]  # of the partials
+    mean_grid: tuple[int, int]
+    part_shape: tuple[int, int, int, int]
+    n_chunks: int
+    chunk: int  # tokens per partial
+
+
+def mean_launches(shape: tuple[int, ...], chunk: int | None = None) -> MeanLaunches:
+    """The reductions' launch plan; ``chunk`` defaults to ``mean_chunk(shape)``."""
     b, l, h, d = shape
-    chunk = chunk or mean_chunk(shape)
+    if chunk is None:
+        chunk = mean_chunk(shape)
     n_chunks = triton.cdiv(l, chunk)
-    return (n_chunks, h, b), (h, b), (n_chunks, b, h, d), n_chunks, chunk
+    return MeanLaunches((n_chunks, h, b), (h, b), (n_chunks, b, h, d), n_chunks, chunk)
 
 
 def padded_length(length: int) -> int:
@@ -455,10 +466,10 @@ def quantize_grid(shape: tuple[int, ...], block_t: int = QUANTIZE_BLOCK_T,
 
 def _channel_partials(x: torch.Tensor, amax: bool, chunk: int | None = None):
     b, l, h, d = x.shape
-    grid, _, part_shape, n_chunks, chunk = mean_launches(x.shape, chunk)
-    parts = torch.empty(part_shape, dtype=torch.float32, device=x.device)
-    _channel_reduce_kernel[grid](x, l, h, chunk, parts, D=d, BLOCK_T=MEAN_BLOCK_T, AMAX=amax)
-    return parts, n_chunks
+    plan = mean_launches(x.shape, chunk)
+    parts = torch.empty(plan.part_shape, dtype=torch.float32, device=x.device)
+    _channel_reduce_kernel[plan.grid](x, l, h, plan.chunk, parts, D=d, BLOCK_T=MEAN_BLOCK_T, AMAX=amax)
+    return parts, plan.n_chunks
 
 
 def channel_mean(x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
