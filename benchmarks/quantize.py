@@ -5,8 +5,10 @@ GPU only (torch + triton). For Q/K of shape [B, S, H, D] in bf16 it times, with
 smooth-K mean reduction, the dual quantization (MXFP8 + NVFP4 or MXFP4) in its
 three output modes (the FP8 copies sm_90 reads with a scale per token as for Q
 or per 128-token tile as for K, the codes sm_100 reads) and V's transposed FP8
-copy. A second table times the smooth-K mean at each of ``MEAN_CHUNKS`` tokens per
-program, next to the chunk ``mean_chunk`` picks for the shape. Bandwidth counts the
+copy. Two more tables time, side by side, the smooth-K mean at each of ``MEAN_CHUNKS``
+tokens per program next to the chunk ``mean_chunk`` picks for the shape, and K's
+per-tile NVFP4 copies at each of ``K_TILE_TOKENS`` tokens per program next to
+``k_tile_tokens``' pick. Bandwidth counts the
 bytes each kernel reads and writes. Times are medians of CUDA-graph replays
 (``do_bench_cudagraph``): these launches take tens of µs, less than the host time of a
 torch launcher call (output allocation and Triton's argument binding), which timed call by
@@ -36,7 +38,8 @@ import os
 import torch
 import triton
 
-from triton_kernels.quantize import MEAN_CHUNKS, channel_mean, dual_quantize, fp8_transpose, mean_chunk
+from triton_kernels.quantize import (K_TILE_TOKENS, MEAN_CHUNKS, channel_mean, dual_quantize, fp8_transpose,
+                                     k_tile_tokens, mean_chunk)
 
 
 def quantize_bytes(shape, low: str, mode: str) -> int:
@@ -106,6 +109,9 @@ def main() -> None:
         cells.append(f"{bw:.0f} ({bw / copy_bw:.2f})")
         row["mean_chunk"] = mean_chunk(shape)
         row["mean_by_chunk_ms"] = {c: bench(lambda c=c: channel_mean(x, chunk=c)) for c in MEAN_CHUNKS}
+        row["k_tile_tokens"] = k_tile_tokens(shape)
+        row["k_tile_by_tokens_ms"] = {
+            t: bench(lambda t=t: dual_quantize(x, mean=mean, tile_t=t, **MODES["fp8_tile"])) for t in K_TILE_TOKENS}
         rows.append(row)
         print(f"| {text} | {copy_bw:.0f} | " + " | ".join(cells) + " |", flush=True)
     print("\nsmooth-K mean, µs per chunk of tokens per program (ratio to the largest chunk)")
@@ -115,6 +121,13 @@ def main() -> None:
         by = row["mean_by_chunk_ms"]
         cells = [f"{by[c] * 1e3:.1f} ({by[c] / by[MEAN_CHUNKS[0]]:.2f})" for c in MEAN_CHUNKS]
         print(f"| {text} | " + " | ".join(cells) + f" | {row['mean_chunk']} |")
+    print("\nK's per-tile NVFP4 FP8 copies, µs per tokens per program (ratio to whole tiles)")
+    print("| shape [B,S,H,D] | " + " | ".join(str(t) for t in K_TILE_TOKENS) + " | picked |")
+    print("|---|" + "---:|" * (len(K_TILE_TOKENS) + 1))
+    for text, row in zip(args.shapes.split(","), rows):
+        by = row["k_tile_by_tokens_ms"]
+        cells = [f"{by[t] * 1e3:.1f} ({by[t] / by[K_TILE_TOKENS[0]]:.2f})" for t in K_TILE_TOKENS]
+        print(f"| {text} | " + " | ".join(cells) + f" | {row['k_tile_tokens']} |")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "quantize_h200.json" if "H200" in torch.cuda.get_device_name() else "quantize_gpu.json")
     with open(path, "w") as fh:

@@ -21,8 +21,9 @@ from dma_jax.formats import FORMATS as JAX_FORMATS
 from dma_jax.formats import fp8_per_channel, fp8_per_tile, fp8_per_token
 from triton_kernels.attention import interpreting
 from triton_kernels.mx import div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small, round_e2m1, round_e4m3
-from triton_kernels.quantize import (FORMATS, MEAN_MIN_PROGRAMS, channel_mean, dual_quantize, fp8_transpose, mean_chunk,
-                                     mean_launches, quantize_meta)
+from triton_kernels.quantize import (FORMATS, K_TILE_MIN_PROGRAMS, MEAN_MIN_PROGRAMS, channel_mean, dual_quantize,
+                                     fp8_transpose, k_tile_tokens, mean_chunk, mean_launches, quantize_grid,
+                                     quantize_meta)
 
 from conftest import HAS_CUDA
 
@@ -108,25 +109,34 @@ def test_fp8_copies_equal_formats(high, low):
             np.testing.assert_array_equal(ts.cpu().numpy(), np.asarray(scale), err_msg=fmt)
 
 
-@pytest.mark.parametrize("kind", ["smooth", "nan"])
+@pytest.mark.parametrize("kind,tile_t,fold", [("smooth", 128, 1.0), ("nan", 128, 1.0), ("smooth", 32, 1.0),
+                                              ("nan", 64, -0.37), ("tiny", 128, 0.3)])
 @pytest.mark.parametrize("high,low", [("mxfp8_e4m3", "nvfp4"), ("mxfp8_e5m2", "mxfp4")])
-def test_per_tile_fp8_copies_equal_formats(kind, high, low):
+def test_per_tile_fp8_copies_equal_formats(kind, tile_t, fold, high, low):
     """K's per-tile E4M3 copies (one scale per 128 tokens) equal
     dma_jax.formats.fp8_per_tile byte for byte: a tile ending at kv_len, tokens
     2^±10 apart in one tile, a tile of zeros; with smooth-K, or with NaN and Inf
-    tokens (E4M3 NaN rows; smooth-K would make the whole head NaN)."""
+    tokens (E4M3 NaN rows; smooth-K would make the whole head NaN), or a tile whose
+    largest element the fold makes subnormal (flushed: a zero tile); a negative
+    fold; each tile's copies split over 128 / tile_t programs."""
     x = inputs(kind if kind == "nan" else "random", (2, 300, 2, 64), seed=9)
     x[:, :256] *= np.exp2(np.random.default_rng(9).integers(-10, 10, (2, 256, 2, 1)))
     x[1, 128:256, 1] = 0.0
     if kind == "smooth":
         x += 20.0  # a bias that smooth-K removes; tokens past kv_len must not see -mean
+    if kind == "tiny":
+        x[0, 128:256, 0] *= 2.0**-130 / np.abs(x[0, 128:256, 0]).max()
     xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
     mean = channel_mean(xt) if kind == "smooth" else None
-    got = dual_quantize(xt, high=high, low=low, mean=mean, codes=False, fp8=True, per_tile=True)
+    got = dual_quantize(xt, high=high, low=low, mean=mean, fold=fold, codes=False, fp8=True, per_tile=True,
+                        tile_t=tile_t)
     assert got.hi_ts.shape == got.lo_ts.shape == (2, 3, 2)
     x32 = xt.float().cpu().numpy()
     if mean is not None:
         x32 = (x32 - mean.cpu().numpy()[:, None]).astype(np.float32)
+    x32 = (x32 * np.float32(fold)).astype(np.float32)
+    if kind == "tiny":
+        assert 0 < np.abs(x32[0, 128:256, 0]).max() < 2.0**-126
     with jax.default_device(jax.devices("cpu")[0]):
         for fmt, f8, ts in ((high, got.hi_f8, got.hi_ts), (low, got.lo_f8, got.lo_ts)):
             values, scale = fp8_per_tile(quantize(jnp.asarray(x32), fmt), fmt)
@@ -136,6 +146,28 @@ def test_per_tile_fp8_copies_equal_formats(kind, high, low):
             want = np.where(np.isnan(values), 0x7F, values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
             np.testing.assert_array_equal(f8.cpu().numpy(), want, err_msg=fmt)
             np.testing.assert_array_equal(ts.cpu().numpy(), np.asarray(scale), err_msg=fmt)
+
+
+@pytest.mark.parametrize("shape, want", [
+    ((1, 1024, 8, 128), 32),     # 256 programs of 32: still too few, the smallest
+    ((1, 2048, 8, 128), 32),     # 512 programs of 32
+    ((1, 4096, 8, 128), 64),     # 512 programs of 64
+    ((1, 8192, 8, 128), 128),    # 512 whole tiles
+    ((2, 300, 2, 64), 32),
+])
+def test_k_tile_tokens_keep_the_gpu_busy(shape, want):
+    assert K_TILE_MIN_PROGRAMS == 512
+    assert k_tile_tokens(shape) == want
+    assert quantize_grid(shape, per_tile=True) == (-(-shape[1] // want), shape[2], shape[0])
+    assert quantize_meta(shape[3], "mxfp8_e4m3", "nvfp4", True, codes=False, fp8=True, per_tile=True,
+                         tile_t=want)["TILE_T"] == want
+
+
+def test_per_tile_programs_must_tile_the_tile():
+    xt = torch.zeros((1, 200, 2, 64), dtype=torch.bfloat16, device=DEVICE)
+    for tile_t in (48, 8, 256):  # not dividing 128, below block_t=16, beyond the tile
+        with pytest.raises(ValueError, match=f"multiple of block_t=16 tokens that divides 128, got tile_t={tile_t}"):
+            dual_quantize(xt, codes=False, fp8=True, per_tile=True, tile_t=tile_t)
 
 
 def test_per_tile_needs_the_fp8_copies():
@@ -313,9 +345,10 @@ def test_channel_mean_against_float64():
 def test_mean_chunk_keeps_the_gpu_busy(shape, want):
     assert MEAN_MIN_PROGRAMS == 256
     assert mean_chunk(shape) == want
-    grid, _, parts, n_chunks, chunk = mean_launches(shape)
-    assert chunk == want and n_chunks == -(-shape[1] // want) and grid == (n_chunks, shape[2], shape[0])
-    assert parts == (n_chunks, shape[0], shape[2], shape[3])
+    plan = mean_launches(shape)
+    n_chunks = -(-shape[1] // want)
+    assert plan.chunk == want and plan.n_chunks == n_chunks and plan.grid == (n_chunks, shape[2], shape[0])
+    assert plan.part_shape == (n_chunks, shape[0], shape[2], shape[3])
 
 
 def test_format_tables_agree():

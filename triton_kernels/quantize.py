@@ -5,7 +5,8 @@ reads the bf16/fp16 tile once, optionally subtracts K's per-channel mean
 (smooth-K) and multiplies by the folded softmax scale (Q), then writes both
 copies with their scale bytes and, for NVFP4, the float32 per-token scale. For
 sm_90 it writes E4M3 copies instead; K's share one scale per 128-key tile, so a
-K program covers a whole tile and reads it twice (the scale first). The numerics are those
+K program first reads its whole tile for the scale (the tile's largest element,
+``_tile_references``) and then quantizes its share of it. The numerics are those
 of ``dma_jax.formats`` (DESIGN.md §3.1) bit for bit, with arithmetic chosen to
 keep the GPU's integer pipe free (``mx``): E2M1 elements round by float32 tricks
 (``round_e2m1``), E4M3 values on a GPU by the conversion instruction, which rounds
@@ -74,16 +75,28 @@ def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVF
     holds the rounded elements, ``v`` the values they were rounded from.
     HW_CVT: E4M3 rounding by the GPU's conversion instruction, which also gives the
     bytes (``mx.e4m3_bytes``).
+
+    PER_TILE shares the scale, so a non-finite token's row must be E4M3 NaN (0x7F),
+    making only that key's scores NaN. With HW_CVT a NaN factor gives those bytes
+    (the conversion turns NaN into 0x7F; a select of bytes would compile to bit-mask
+    arithmetic per element); the interpreter's emulation does not, and the caller
+    selects the bytes (``NAN_ROWS_BY_CVT``).
     """
     token_ok = tl.min(finite.to(tl.int32), axis=1) > 0
+    NAN_ROWS_BY_CVT: tl.constexpr = PER_TILE and HW_CVT
     if NVFP4:
         values = r * (sb * 0.125)[:, :, None]
         if PER_TILE:
             ratio = tl.math.div_rn(s2, tl.full(s2.shape, 1.0, tl.float32) * tile_ref)
+            if NAN_ROWS_BY_CVT:
+                ratio = tl.where(token_ok, ratio, float("nan"))
             values = values * ratio[:, None, None]
-        # A non-finite block has sb = 0 but elements of either sign: its copy is +0.
-        # (Selected as floats: a select of bytes compiles to bit-mask arithmetic.)
-        codes = e4m3_bytes(tl.where(finite[:, :, None], values, 0.0), HW_CVT)
+        if not NAN_ROWS_BY_CVT:
+            # A non-finite block has sb = 0 but elements of either sign: its copy is +0.
+            # (Selected as floats: a select of bytes compiles to bit-mask arithmetic.)
+            # With NaN rows every block left is finite.
+            values = tl.where(finite[:, :, None], values, 0.0)
+        codes = e4m3_bytes(values, HW_CVT)
         token = s2 * 8.0
     else:
         if PER_TILE:
@@ -92,6 +105,9 @@ def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVF
         else:
             t = tl.maximum(tl.max(tl.where(finite, block_exp, -127), axis=1) + EMAX - 8, -126)
             shift = tl.maximum(block_exp - t[:, None], -126)
+        factor = pow2(shift)
+        if NAN_ROWS_BY_CVT:
+            factor = tl.where(token_ok[:, None], factor, float("nan"))
         # r has at most 4 significant bits and |r * 2^shift| <= 448, so the product is
         # an E4M3 value unless it falls below E4M3's normal range. (A non-finite
         # block's r is +0 already.)
@@ -99,10 +115,10 @@ def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVF
             # E4M3 elements (shift <= 0) rescale on packed float16 pairs: the product is
             # exact in float16 down to 2^-24, and where float16 rounds (below 2^-20) or
             # 2^shift underflows to 0, E4M3 rounds to a signed zero either way.
-            y = v.to(tl.float8e4nv).to(tl.float16) * pow2(shift).to(tl.float16)[:, :, None]
+            y = v.to(tl.float8e4nv).to(tl.float16) * factor.to(tl.float16)[:, :, None]
             codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
-            codes = e4m3_bytes_on_grid_or_small(r * pow2(shift)[:, :, None], HW_CVT)
+            codes = e4m3_bytes_on_grid_or_small(r * factor[:, :, None], HW_CVT)
         token = pow2(t)
     return codes, tl.where(token_ok, token, float("nan")), token_ok
 
@@ -177,9 +193,8 @@ def _quantize_tile(
                                         E4M3)
         f8 = tl.reshape(f8, (BLOCK_T, D))
         if PER_TILE:
-            # The scale is shared by the tile: a non-finite token is E4M3 NaN (0x7F)
-            # itself, so only that key's scores become NaN.
-            f8 = tl.where(token_ok[:, None], f8, 0x7F)
+            if not HW_CVT:  # a non-finite token's row is E4M3 NaN (see _fp8_copy)
+                f8 = tl.where(token_ok[:, None], f8, 0x7F)
         else:
             tl.store(ts_ptr + rows, token, mask=mask)
         tl.store(f8_ptr + rows[:, None] * D + cols[None, :], f8.to(tl.uint8), mask=mask[:, None])
@@ -198,9 +213,9 @@ def _quantize_tile(
 
 
 @triton.jit
-def _prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
+def _shifted(x_ptr, mean_ptr, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
     """Tokens ``t`` of x[b, :, h] as float32 [T, D] (zeros past L), minus K's channel
-    mean (smooth-K), times ``fold`` (Q's softmax scale), subnormals flushed."""
+    mean (smooth-K)."""
     cols = tl.arange(0, D)
     rows = (b * L + t) * H + h
     mask = (t < L)[:, None]
@@ -208,7 +223,46 @@ def _prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.
     if SMOOTH:
         # Tokens past L stay zero: they must not count in a tile's largest scale.
         x = tl.where(mask, x - tl.load(mean_ptr + (b * H + h) * D + cols)[None, :], 0.0)
-    return flush_subnormals(x * fold)
+    return x
+
+
+@triton.jit
+def _prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
+    """``_shifted`` times ``fold`` (Q's softmax scale), subnormals flushed: what is quantized."""
+    return flush_subnormals(_shifted(x_ptr, mean_ptr, L, H, t, b, h, D, SMOOTH) * fold)
+
+
+@triton.jit
+def _tile_references(x_ptr, mean_ptr, fold, L, H, tile, b, h, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                     SMOOTH: tl.constexpr, HI_EMAX: tl.constexpr, LO_EMAX: tl.constexpr, LO_NVFP4: tl.constexpr):
+    """K's FP8 scale references for one ``TILE``-token tile: the largest
+    ``_token_reference`` of its tokens per copy (MX at least 2^-126; NVFP4 0 while no
+    token is non-zero).
+
+    The references are monotone in a token's amax, and so is what ``_prepared`` does
+    to the largest |element| of ``_shifted`` (subtracting the mean, multiplying by
+    ``fold``: ``|fl(y·f)| = fl(|y|·|f|)``, flushing subnormals). So one max per element
+    over the tile, with no per-token work, gives both references at once. That is
+    exact while every element is finite; the maxima propagate Inf and NaN, and only
+    such a tile, whose non-finite tokens must not count, takes a second pass over its
+    tokens' amaxes."""
+    widest = tl.zeros((BLOCK_T, D), tl.float32)
+    for c in range(0, _SCALE_TILE, BLOCK_T):
+        t = tile * _SCALE_TILE + c + tl.arange(0, BLOCK_T)
+        widest = tl.maximum(widest, tl.abs(_shifted(x_ptr, mean_ptr, L, H, t, b, h, D, SMOOTH)),
+                            propagate_nan=tl.PropagateNan.ALL)
+    amax = flush_subnormals(nan_max(nan_max(widest, 1), 0) * tl.abs(fold))
+    hi_ref = _token_reference(amax, HI_EMAX, False)
+    lo_ref = _token_reference(amax, LO_EMAX, LO_NVFP4)
+    if not amax < float("inf"):
+        hi_ref = tl.full((), 0.0, tl.float32)
+        lo_ref = tl.full((), 0.0, tl.float32)
+        for c in range(0, _SCALE_TILE, BLOCK_T):
+            t = tile * _SCALE_TILE + c + tl.arange(0, BLOCK_T)
+            token_amax = abs_max(_prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D, SMOOTH), 1)
+            hi_ref = tl.maximum(hi_ref, tl.max(_token_reference(token_amax, HI_EMAX, False)))
+            lo_ref = tl.maximum(lo_ref, tl.max(_token_reference(token_amax, LO_EMAX, LO_NVFP4)))
+    return hi_ref, lo_ref
 
 
 @triton.jit
@@ -226,33 +280,30 @@ def _dual_quantize_kernel(
     """One program per (TILE_T tokens, head, batch) of x [B, L, H, D] (contiguous),
     quantized BLOCK_T tokens at a time.
 
-    PER_TILE (K on sm_90): the FP8 copies get one scale per TILE_T tokens (the
-    attention tile), written to ``*_ts`` as [B, cdiv(L, TILE_T), H]; a first pass
-    over the tile finds it. WRITE_LO=False skips the low copy (every pair is high
-    precision)."""
+    PER_TILE (K on sm_90): the FP8 copies get one scale per ``TILE`` tokens (the
+    attention tile), written to ``*_ts`` as [B, cdiv(L, TILE), H] by the tile's first
+    program. Each program first finds its tile's scale (``_tile_references``, a pass
+    over the whole tile), so TILE_T < TILE splits a tile's copies over more programs at
+    the price of repeating that pass (``k_tile_tokens``). WRITE_LO=False skips the low
+    copy (every pair is high precision)."""
     pid_t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = tl.arange(0, D)
-    # Tile references (the largest token scale; see _token_reference). MX's is at
-    # least 2^-126, every token's floor; NVFP4's is 0 while no token is non-zero.
     hi_ref = 1.0
     lo_ref = 1.0
     if PER_TILE:
-        hi_ref = tl.full((), 0.0, tl.float32)
-        lo_ref = tl.full((), 0.0, tl.float32)
-        for c in range(0, TILE_T, BLOCK_T):
-            t = pid_t * TILE_T + c + tl.arange(0, BLOCK_T)
-            amax = abs_max(_prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D, SMOOTH), 1)
-            hi_ref = tl.maximum(hi_ref, tl.max(_token_reference(amax, HI_EMAX, False)))
-            lo_ref = tl.maximum(lo_ref, tl.max(_token_reference(amax, LO_EMAX, LO_NVFP4)))
-        tile = (b * tl.cdiv(L, TILE_T) + pid_t) * H + h
-        tl.store(hi_ts + tile, hi_ref)
+        tile = pid_t * TILE_T // _SCALE_TILE
+        hi_ref, lo_ref = _tile_references(x_ptr, mean_ptr, fold, L, H, tile, b, h, D, BLOCK_T, SMOOTH,
+                                          HI_EMAX, LO_EMAX, LO_NVFP4)
+        ts = (b * tl.cdiv(L, _SCALE_TILE) + tile) * H + h
+        first = (pid_t * TILE_T) % _SCALE_TILE == 0
+        tl.store(hi_ts + ts, hi_ref, mask=first)
         if WRITE_LO:
             if LO_NVFP4:
                 # A tile of zero (or non-finite) tokens takes s2 = 1, as a zero token does.
                 lo_ref = tl.where(lo_ref == 0, 1.0, lo_ref)
-                tl.store(lo_ts + tile, lo_ref * 8.0)
+                tl.store(lo_ts + ts, lo_ref * 8.0, mask=first)
             else:
-                tl.store(lo_ts + tile, lo_ref)
+                tl.store(lo_ts + ts, lo_ref, mask=first)
     for c in range(0, TILE_T, BLOCK_T):
         t = pid_t * TILE_T + c + tl.arange(0, BLOCK_T)
         mask = t < L
@@ -372,6 +423,15 @@ QUANTIZE_WARPS = 4
 MEAN_CHUNKS = (256, 128, 64)
 MEAN_MIN_PROGRAMS = 256
 MEAN_BLOCK_T = 64
+# Tokens per program of K's per-tile FP8 copies, largest first. Every program passes
+# over its whole 128-token tile for the scale, so splitting a tile repeats that pass:
+# worth it only where whole tiles give too few programs (H200, 8 kv heads, µs: 1k
+# tokens 8.8 -> 5.8 with 32, 4k 11.8 -> 11.4 with 64, 8k 18.5 with 128 but 21.4 with
+# 64; benchmarks/quantize.py, NOTES.md, session 13).
+K_TILE_TOKENS = (128, 64, 32)
+K_TILE_MIN_PROGRAMS = 512
+# K's FP8 scale tile for the kernels, which read only constexpr globals.
+_SCALE_TILE = tl.constexpr(TILE)
 TRANSPOSE_BLOCK_T = 64
 
 
@@ -402,6 +462,13 @@ def mean_launches(shape: tuple[int, ...], chunk: int | None = None) -> MeanLaunc
     return MeanLaunches((n_chunks, h, b), (h, b), (n_chunks, b, h, d), n_chunks, chunk)
 
 
+def k_tile_tokens(shape: tuple[int, ...]) -> int:
+    """Tokens per program of x ``[B, L, H, D]``'s per-tile FP8 copies: the largest of
+    K_TILE_TOKENS that gives at least K_TILE_MIN_PROGRAMS programs, else the smallest."""
+    b, l, h, _ = shape
+    return next((t for t in K_TILE_TOKENS if triton.cdiv(l, t) * h * b >= K_TILE_MIN_PROGRAMS), K_TILE_TOKENS[-1])
+
+
 def padded_length(length: int) -> int:
     """The row length of V's transposed FP8 copy: a multiple of 16 bytes."""
     return -(-length // 16) * 16
@@ -413,14 +480,18 @@ def transpose_grid(shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 
 def quantize_meta(head_dim: int, high: str, low: str, smooth: bool, *, codes: bool, fp8: bool,
-                  write_lo: bool = True, per_tile: bool = False, block_t: int = QUANTIZE_BLOCK_T,
-                  interpret: bool = False) -> dict:
-    """Constexpr arguments of ``_dual_quantize_kernel``; ``interpret``: for Triton's
+                  write_lo: bool = True, per_tile: bool = False, tile_t: int = TILE,
+                  block_t: int = QUANTIZE_BLOCK_T, interpret: bool = False) -> dict:
+    """Constexpr arguments of ``_dual_quantize_kernel``; ``tile_t``: tokens per
+    program with ``per_tile`` (``k_tile_tokens``); ``interpret``: for Triton's
     interpreter (emulated E4M3 rounding instead of the GPU's conversion instruction)."""
     if per_tile and not fp8:
         raise ValueError("per_tile scales belong to the FP8 copies: it needs fp8=True")
+    if per_tile and (TILE % tile_t or tile_t % block_t):
+        raise ValueError(f"per_tile programs take a multiple of block_t={block_t} tokens that divides {TILE}, "
+                         f"got tile_t={tile_t}")
     hi, lo = FORMATS[high], FORMATS[low]
-    return dict(TILE_T=TILE if per_tile else block_t, PER_TILE=per_tile,
+    return dict(TILE_T=tile_t if per_tile else block_t, PER_TILE=per_tile,
         D=head_dim, BLOCK_T=block_t, SMOOTH=smooth, WRITE_CODES=codes, WRITE_FP8=fp8, WRITE_LO=write_lo,
         HI_E=hi[0], HI_M=hi[1], HI_EMIN=hi[2], HI_EMAX=hi[3], HI_MAX=hi[4], HI_BLOCK=hi[5],
         LO_E=lo[0], LO_M=lo[1], LO_EMIN=lo[2], LO_EMAX=lo[3], LO_MAX=lo[4], LO_BLOCK=lo[5],
@@ -458,10 +529,14 @@ def quantize_outputs(shape: tuple[int, ...], high: str, low: str, *, codes: bool
     return [(s, t) if w else ((1,), t) for (s, t), w in zip(full, flags)]
 
 
-def quantize_grid(shape: tuple[int, ...], block_t: int = QUANTIZE_BLOCK_T,
-                  per_tile: bool = False) -> tuple[int, int, int]:
+def quantize_grid(shape: tuple[int, ...], block_t: int = QUANTIZE_BLOCK_T, per_tile: bool = False,
+                  tile_t: int | None = None) -> tuple[int, int, int]:
+    """The grid of ``_dual_quantize_kernel`` for x ``shape``; ``tile_t`` as for
+    ``quantize_meta``, by default ``k_tile_tokens(shape)``."""
     b, l, h, _ = shape
-    return (triton.cdiv(l, TILE if per_tile else block_t), h, b)
+    if per_tile:
+        return (triton.cdiv(l, k_tile_tokens(shape) if tile_t is None else tile_t), h, b)
+    return (triton.cdiv(l, block_t), h, b)
 
 
 def _channel_partials(x: torch.Tensor, amax: bool, chunk: int | None = None):
@@ -508,6 +583,7 @@ def dual_quantize(
     fp8: bool = False,
     write_lo: bool = True,
     per_tile: bool = False,
+    tile_t: int | None = None,
     block_t: int = QUANTIZE_BLOCK_T,
     num_warps: int = QUANTIZE_WARPS,
 ) -> DualQuantized:
@@ -518,17 +594,19 @@ def dual_quantize(
     ``codes`` writes codes and scales, ``fp8`` the E4M3 copies, with one scale per
     token or, with ``per_tile`` (K on sm_90), per 128-token tile
     (``dma_jax.formats.fp8_per_tile``); ``write_lo=False`` skips the low copy.
+    ``tile_t``: tokens per program with ``per_tile``, by default ``k_tile_tokens``.
     """
     if not x.is_contiguous():
         raise ValueError("dual_quantize needs a contiguous [B, L, H, D] tensor")
     b, l, h, d = x.shape
+    tile_t = k_tile_tokens(x.shape) if tile_t is None else tile_t
+    meta = quantize_meta(d, high, low, mean is not None, codes=codes, fp8=fp8, write_lo=write_lo,
+                         per_tile=per_tile, tile_t=tile_t, block_t=block_t, interpret=interpreting())
     spec = quantize_outputs(x.shape, high, low, codes=codes, fp8=fp8, write_lo=write_lo, per_tile=per_tile)
     outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=x.device) for shape, dtype in spec]
-    _dual_quantize_kernel[quantize_grid(x.shape, block_t, per_tile)](
+    _dual_quantize_kernel[quantize_grid(x.shape, block_t, per_tile, tile_t)](
         x, mean if mean is not None else x, float(torch.tensor(fold, dtype=torch.float32)), l, h, *outs,
-        **quantize_meta(d, high, low, mean is not None, codes=codes, fp8=fp8, write_lo=write_lo,
-                        per_tile=per_tile, block_t=block_t, interpret=interpreting()),
-        num_warps=num_warps,
+        **meta, num_warps=num_warps,
     )
     flags = written_outputs(low, codes=codes, fp8=fp8, write_lo=write_lo)
     return DualQuantized(*[o if w else None for o, w in zip(outs, flags)])
