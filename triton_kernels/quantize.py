@@ -327,20 +327,34 @@ def _channel_reduce_kernel(x_ptr, L, H, CHUNK, part_ptr, D: tl.constexpr, BLOCK_
 
     A grid over chunks keeps every SM busy; partials land in [chunks, B, H, D]
     and are combined in a fixed order afterwards, so the result is deterministic.
+    Each step's BLOCK_T tokens are accumulated element by element and reduced over
+    tokens once, at the end: a reduction per step was a cross-warp exchange (shared
+    memory, barriers) between dependent loads. The next step's tokens are requested
+    before this step's are added, so two loads are in flight.
     """
     c, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = tl.arange(0, D)
-    acc = tl.zeros((D,), tl.float32)
-    end = tl.minimum(c * CHUNK + CHUNK, L)
-    for start in range(c * CHUNK, end, BLOCK_T):
-        t = start + tl.arange(0, BLOCK_T)
-        ptrs = x_ptr + ((b * L + t) * H + h)[:, None] * D + cols[None, :]
-        x = tl.load(ptrs, mask=(t < end)[:, None], other=0.0).to(tl.float32)
+    begin = c * CHUNK
+    end = tl.minimum(begin + CHUNK, L)
+    acc = tl.zeros((BLOCK_T, D), tl.float32)
+    x = _chunk_step(x_ptr, L, H, begin, end, b, h, D, BLOCK_T)
+    for start in range(begin, end, BLOCK_T):
+        following = _chunk_step(x_ptr, L, H, start + BLOCK_T, end, b, h, D, BLOCK_T)
         if AMAX:
-            acc = tl.maximum(acc, abs_max(x, 0), propagate_nan=tl.PropagateNan.ALL)
+            acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
         else:
-            acc += tl.sum(x, axis=0)
-    tl.store(part_ptr + ((c * tl.num_programs(2) + b) * H + h) * D + cols, acc)
+            acc += x
+        x = following
+    part = nan_max(acc, 0) if AMAX else tl.sum(acc, axis=0)
+    tl.store(part_ptr + ((c * tl.num_programs(2) + b) * H + h) * D + cols, part)
+
+
+@triton.jit
+def _chunk_step(x_ptr, L, H, start, end, b, h, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Tokens [start, start + BLOCK_T) of x[b, :, h] as float32, zeros from ``end`` on."""
+    t = start + tl.arange(0, BLOCK_T)
+    ptrs = x_ptr + ((b * L + t) * H + h)[:, None] * D + tl.arange(0, D)[None, :]
+    return tl.load(ptrs, mask=(t < end)[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -418,10 +432,12 @@ QUANTIZE_BLOCK_T = 16
 QUANTIZE_WARPS = 4
 # Tokens per program of the channel reductions (smooth-K mean, V's amax), largest
 # first: a short sequence takes smaller chunks so that the launch still has
-# MEAN_MIN_PROGRAMS programs (H200, 8 heads: 1k tokens 10.3 -> 5.4 us with 64
-# instead of 256; 32k tokens are fastest with 256; NOTES.md, session 12).
+# MEAN_MIN_PROGRAMS programs. Since the partials reduce over tokens once per chunk
+# (session 13), 256 tokens are fastest from 2k tokens on and 128 at 1k (H200, 8 kv
+# heads, mean in µs at 256 / 128 / 64: 1k 4.5 / 4.2 / 4.6, 2k 4.9 / 5.0 / 6.4,
+# 8k 7.8 / 10.9 / 16.8; NOTES.md).
 MEAN_CHUNKS = (256, 128, 64)
-MEAN_MIN_PROGRAMS = 256
+MEAN_MIN_PROGRAMS = 64
 MEAN_BLOCK_T = 64
 # Tokens per program of K's per-tile FP8 copies, largest first. Every program passes
 # over its whole 128-token tile for the scale, so splitting a tile repeats that pass:
