@@ -65,6 +65,19 @@ MODES = {"fp8": dict(codes=False, fp8=True), "fp8_tile": dict(codes=False, fp8=T
          "codes": dict(codes=True, fp8=False)}
 
 
+def print_by_setting(title: str, shapes: list[str], rows: list[dict], key: str, settings: tuple[int, ...],
+                     picked: str) -> None:
+    """A table of ``row[key][setting]`` (ms) in µs per shape, as ratios to the first
+    setting, next to the setting the library picks (``row[picked]``)."""
+    print(f"\n{title}")
+    print("| shape [B,S,H,D] | " + " | ".join(str(v) for v in settings) + " | picked |")
+    print("|---|" + "---:|" * (len(settings) + 1))
+    for text, row in zip(shapes, rows):
+        by = row[key]
+        cells = [f"{by[v] * 1e3:.1f} ({by[v] / by[settings[0]]:.2f})" for v in settings]
+        print(f"| {text} | " + " | ".join(cells) + f" | {row[picked]} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="1x8192x32x128,1x16384x32x128,4x4096x8x128,1x8192x32x64")
@@ -114,20 +127,11 @@ def main() -> None:
             t: bench(lambda t=t: dual_quantize(x, mean=mean, tile_t=t, **MODES["fp8_tile"])) for t in K_TILE_TOKENS}
         rows.append(row)
         print(f"| {text} | {copy_bw:.0f} | " + " | ".join(cells) + " |", flush=True)
-    print("\nsmooth-K mean, µs per chunk of tokens per program (ratio to the largest chunk)")
-    print("| shape [B,S,H,D] | " + " | ".join(str(c) for c in MEAN_CHUNKS) + " | picked |")
-    print("|---|" + "---:|" * (len(MEAN_CHUNKS) + 1))
-    for text, row in zip(args.shapes.split(","), rows):
-        by = row["mean_by_chunk_ms"]
-        cells = [f"{by[c] * 1e3:.1f} ({by[c] / by[MEAN_CHUNKS[0]]:.2f})" for c in MEAN_CHUNKS]
-        print(f"| {text} | " + " | ".join(cells) + f" | {row['mean_chunk']} |")
-    print("\nK's per-tile NVFP4 FP8 copies, µs per tokens per program (ratio to whole tiles)")
-    print("| shape [B,S,H,D] | " + " | ".join(str(t) for t in K_TILE_TOKENS) + " | picked |")
-    print("|---|" + "---:|" * (len(K_TILE_TOKENS) + 1))
-    for text, row in zip(args.shapes.split(","), rows):
-        by = row["k_tile_by_tokens_ms"]
-        cells = [f"{by[t] * 1e3:.1f} ({by[t] / by[K_TILE_TOKENS[0]]:.2f})" for t in K_TILE_TOKENS]
-        print(f"| {text} | " + " | ".join(cells) + f" | {row['k_tile_tokens']} |")
+    shapes = args.shapes.split(",")
+    print_by_setting("smooth-K mean, µs per chunk of tokens per program (ratio to the largest chunk)",
+                     shapes, rows, "mean_by_chunk_ms", MEAN_CHUNKS, "mean_chunk")
+    print_by_setting("K's per-tile NVFP4 FP8 copies, µs per tokens per program (ratio to whole tiles)",
+                     shapes, rows, "k_tile_by_tokens_ms", K_TILE_TOKENS, "k_tile_tokens")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "quantize_h200.json" if "H200" in torch.cuda.get_device_name() else "quantize_gpu.json")
     with open(path, "w") as fh:
