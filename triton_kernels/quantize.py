@@ -213,13 +213,20 @@ def _quantize_tile(
 
 
 @triton.jit
+def _tokens(x_ptr, L, H, t, b, h, D: tl.constexpr, end):
+    """Tokens ``t`` of x[b, :, h] (x [B, L, H, D], contiguous) as float32 [T, D], zeros
+    from token ``end`` on."""
+    ptrs = x_ptr + ((b * L + t) * H + h)[:, None] * D + tl.arange(0, D)[None, :]
+    return tl.load(ptrs, mask=(t < end)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _shifted(x_ptr, mean_ptr, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
     """Tokens ``t`` of x[b, :, h] as float32 [T, D] (zeros past L), minus K's channel
     mean (smooth-K)."""
     cols = tl.arange(0, D)
-    rows = (b * L + t) * H + h
     mask = (t < L)[:, None]
-    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = _tokens(x_ptr, L, H, t, b, h, D, L)
     if SMOOTH:
         # Tokens past L stay zero: they must not count in a tile's largest scale.
         x = tl.where(mask, x - tl.load(mean_ptr + (b * H + h) * D + cols)[None, :], 0.0)
@@ -337,9 +344,10 @@ def _channel_reduce_kernel(x_ptr, L, H, CHUNK, part_ptr, D: tl.constexpr, BLOCK_
     begin = c * CHUNK
     end = tl.minimum(begin + CHUNK, L)
     acc = tl.zeros((BLOCK_T, D), tl.float32)
-    x = _chunk_step(x_ptr, L, H, begin, end, b, h, D, BLOCK_T)
+    steps = tl.arange(0, BLOCK_T)
+    x = _tokens(x_ptr, L, H, begin + steps, b, h, D, end)
     for start in range(begin, end, BLOCK_T):
-        following = _chunk_step(x_ptr, L, H, start + BLOCK_T, end, b, h, D, BLOCK_T)
+        following = _tokens(x_ptr, L, H, start + BLOCK_T + steps, b, h, D, end)
         if AMAX:
             acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
         else:
@@ -347,14 +355,6 @@ def _channel_reduce_kernel(x_ptr, L, H, CHUNK, part_ptr, D: tl.constexpr, BLOCK_
         x = following
     part = nan_max(acc, 0) if AMAX else tl.sum(acc, axis=0)
     tl.store(part_ptr + ((c * tl.num_programs(2) + b) * H + h) * D + cols, part)
-
-
-@triton.jit
-def _chunk_step(x_ptr, L, H, start, end, b, h, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Tokens [start, start + BLOCK_T) of x[b, :, h] as float32, zeros from ``end`` on."""
-    t = start + tl.arange(0, BLOCK_T)
-    ptrs = x_ptr + ((b * L + t) * H + h)[:, None] * D + tl.arange(0, D)[None, :]
-    return tl.load(ptrs, mask=(t < end)[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -390,9 +390,7 @@ def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
     finite = amax < float("inf")  # False for Inf and NaN
     t_exp = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - 7, -126), 127)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask = t < L
-    x = tl.load(x_ptr + ((b * L + t) * H + h)[:, None] * D + cols[None, :], mask=mask[:, None], other=0.0)
-    x = flush_subnormals(x.to(tl.float32))
+    x = flush_subnormals(_tokens(x_ptr, L, H, t, b, h, D, L))
     codes = e4m3_bytes(tl.where(finite[None, :], x * pow2(-t_exp)[None, :], 0.0), HW_CVT)
     codes = tl.trans(codes)  # [D, BLOCK_T]
     # The padding columns [L, LP) get zeros (x was loaded as 0 there). Masking by
@@ -451,11 +449,16 @@ _SCALE_TILE = tl.constexpr(TILE)
 TRANSPOSE_BLOCK_T = 64
 
 
-def mean_chunk(shape: tuple[int, ...]) -> int:
-    """Tokens per program of the channel reductions of x ``[B, L, H, D]``: the largest
-    of MEAN_CHUNKS that gives at least MEAN_MIN_PROGRAMS programs, else the smallest."""
+def _tokens_per_program(shape: tuple[int, ...], choices: tuple[int, ...], min_programs: int) -> int:
+    """The largest of ``choices`` (largest first) that splits x ``[B, L, H, D]`` into at
+    least ``min_programs`` programs over (tokens, head, batch), else the smallest."""
     b, l, h, _ = shape
-    return next((c for c in MEAN_CHUNKS if triton.cdiv(l, c) * h * b >= MEAN_MIN_PROGRAMS), MEAN_CHUNKS[-1])
+    return next((c for c in choices if triton.cdiv(l, c) * h * b >= min_programs), choices[-1])
+
+
+def mean_chunk(shape: tuple[int, ...]) -> int:
+    """Tokens per program of the channel reductions of x ``[B, L, H, D]``."""
+    return _tokens_per_program(shape, MEAN_CHUNKS, MEAN_MIN_PROGRAMS)
 
 
 class MeanLaunches(NamedTuple):
@@ -479,10 +482,8 @@ def mean_launches(shape: tuple[int, ...], chunk: int | None = None) -> MeanLaunc
 
 
 def k_tile_tokens(shape: tuple[int, ...]) -> int:
-    """Tokens per program of x ``[B, L, H, D]``'s per-tile FP8 copies: the largest of
-    K_TILE_TOKENS that gives at least K_TILE_MIN_PROGRAMS programs, else the smallest."""
-    b, l, h, _ = shape
-    return next((t for t in K_TILE_TOKENS if triton.cdiv(l, t) * h * b >= K_TILE_MIN_PROGRAMS), K_TILE_TOKENS[-1])
+    """Tokens per program of x ``[B, L, H, D]``'s per-tile FP8 copies."""
+    return _tokens_per_program(shape, K_TILE_TOKENS, K_TILE_MIN_PROGRAMS)
 
 
 def padded_length(length: int) -> int:
