@@ -98,7 +98,7 @@ def quantize_operands(q, k, v, *, config: DMAConfig, q_offset: int):
             out_shape=[_sds(s, d) for s, d in quant.quantize_outputs(x.shape, high, low, **copies, per_tile=per_tile)],
             grid=quant.quantize_grid(x.shape, per_tile=per_tile), num_warps=quant.QUANTIZE_WARPS,
             **quant.quantize_meta(dim, high, low, smooth, **copies, per_tile=per_tile,
-                                  tile_t=quant.k_tile_tokens(x.shape)),
+                                  tile_t=quant.k_tile_tokens(x.shape), fold=fold),
         )
 
     q8 = dual(q, q, softmax_fold(config.softmax_scale(dim)), False, False)

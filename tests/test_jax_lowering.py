@@ -113,6 +113,8 @@ CONFIGS = {
     "mxfp4_no_smooth": DMAConfig(low="mxfp4", smooth_k=False, diag_tiles=2, sink_tiles=0),
     "pv_fp8_e5m2": DMAConfig(high="mxfp8_e5m2", pv="fp8"),
     "all_low": DMAConfig.all_low(),
+    # A fold above 1 (4 * log2(e)) multiplies Q in without mul.ftz (quantize.FTZ_FOLD).
+    "sm_scale_4": DMAConfig(sm_scale=4.0),
 }
 
 

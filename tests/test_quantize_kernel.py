@@ -20,7 +20,8 @@ from dma_jax import quantize
 from dma_jax.formats import FORMATS as JAX_FORMATS
 from dma_jax.formats import fp8_per_channel, fp8_per_tile, fp8_per_token
 from triton_kernels.attention import interpreting
-from triton_kernels.mx import div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small, round_e2m1, round_e4m3
+from triton_kernels.mx import (div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small, ftz_multiplier, mul_flushed, round_e2m1,
+                               round_e4m3)
 from triton_kernels.quantize import (FORMATS, K_TILE_MIN_PROGRAMS, MEAN_MIN_PROGRAMS, channel_mean, dual_quantize,
                                      fp8_transpose, k_tile_tokens, mean_chunk, mean_launches, quantize_grid,
                                      quantize_meta)
@@ -148,6 +149,33 @@ def test_per_tile_fp8_copies_equal_formats(kind, tile_t, fold, high, low):
             np.testing.assert_array_equal(ts.cpu().numpy(), np.asarray(scale), err_msg=fmt)
 
 
+
+@pytest.mark.parametrize("per_tile", [False, True])
+@pytest.mark.parametrize("fold", [0.7, -3.0])
+def test_fold_products_flush_like_formats(fold, per_tile):
+    """Products of the fold below 2^-126 are zeros in Q's and K's FP8 copies, as in
+    dma_jax.formats, through either flush a GPU takes (``mx.mul_flushed``: |fold| <= 1
+    or not): a tile whose largest element is subnormal before the fold (-3 lifts it
+    and part of its elements above 2^-126) and one that is normal but partly
+    subnormal after a fold of 0.7. Float32 input: Triton 3.9's interpreter converts
+    bf16 subnormals wrongly (1.19e-39 becomes 7.3e-39)."""
+    x = inputs("random", (1, 256, 2, 64), seed=13)
+    x[0, 128:, 0] *= 2.0**-127 / np.abs(x[0, 128:, 0]).max()
+    x[0, :128, 1] *= 2.0**-125 / np.abs(x[0, :128, 1]).max()
+    got = dual_quantize(torch.from_numpy(x).to(DEVICE), fold=fold, codes=False, fp8=True, per_tile=per_tile)
+    x32 = (x * np.float32(fold)).astype(np.float32)
+    small = (x32 != 0) & (np.abs(x32) < 2.0**-126)
+    assert small[0, 128:, 0].any() and small[0, :128, 1].any()
+    copy = fp8_per_tile if per_tile else fp8_per_token
+    with jax.default_device(jax.devices("cpu")[0]):
+        for fmt, f8, ts in (("mxfp8_e4m3", got.hi_f8, got.hi_ts), ("nvfp4", got.lo_f8, got.lo_ts)):
+            values, scale = copy(quantize(jnp.asarray(x32), fmt), fmt)
+            want = np.asarray(values).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+            # What survives the flush (NVFP4 zeroes tokens below 2688 * 2^-126 anyway).
+            assert (want[0, 128:, 0] & 0x7F).any() == (abs(fold) > 1 and fmt != "nvfp4"), fmt
+            np.testing.assert_array_equal(f8.cpu().numpy(), want, err_msg=fmt)
+            np.testing.assert_array_equal(ts.cpu().numpy(), np.asarray(scale), err_msg=fmt)
+
 @pytest.mark.parametrize("shape, want", [
     ((1, 1024, 8, 128), 32),     # 256 programs of 32: still too few, the smallest
     ((1, 2048, 8, 128), 32),     # 512 programs of 32
@@ -187,6 +215,8 @@ def test_write_lo_false_skips_the_low_copy():
 def test_fp8_transpose_equals_fp8_per_channel(length):
     x = inputs("outliers", (2, length, 3, 64), seed=10)
     x[1, 0, 2, 5] = np.nan
+    x[0, :, 1, 3] *= 2.0**-130  # a channel of subnormals (flushed: zeros)
+    x[1, ::2, 0, 10] = -(2.0**-128)  # subnormals in a normal channel
     xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
     vt, scale = fp8_transpose(xt)
     assert vt.shape == (2, 3, 64, -(-length // 16) * 16) and scale.shape == (2, 3, 64)
@@ -284,6 +314,43 @@ def test_quantize_meta_picks_the_conversion_instruction_on_gpus():
     is the emulation. The torch launcher asks for the latter exactly when interpreting."""
     assert quantize_meta(128, "mxfp8_e4m3", "nvfp4", False, codes=False, fp8=True)["HW_CVT"] is True
     assert quantize_meta(128, "mxfp8_e4m3", "nvfp4", False, codes=False, fp8=True, interpret=True)["HW_CVT"] is False
+
+
+@triton.jit
+def _mul_flushed_kernel(x_ptr, f, out_ptr, N: tl.constexpr, HW: tl.constexpr, FTZ_MUL: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, mul_flushed(tl.load(x_ptr + offs), f, HW, FTZ_MUL))
+
+
+def test_ftz_multiplier():
+    assert all(ftz_multiplier(f) for f in (0.0, -0.0, 2.0**-126, 0.1275, -0.5, 1.0, -1.0))
+    assert not any(ftz_multiplier(f) for f in (2.0**-127, -(2.0**-149), 1.0000001, -3.0, np.inf, np.nan))
+    assert quantize_meta(128, "mxfp8_e4m3", "nvfp4", False, codes=False, fp8=True, fold=0.1275)["FTZ_FOLD"] is True
+    assert quantize_meta(128, "mxfp8_e4m3", "nvfp4", False, codes=False, fp8=True, fold=3.0)["FTZ_FOLD"] is False
+
+
+@pytest.mark.parametrize("f", [0.1275, -0.7, 1.0, 0.0, 2.0**-126, 3.0, -2.5, 2.0**-127])
+def test_mul_flushed_against_numpy(f):
+    """``mx.mul_flushed`` as the quantizer compiles it here (on a GPU: ``mul.ftz`` where
+    ``ftz_multiplier(f)``, else a multiply and ``add.ftz``) equals numpy's IEEE product
+    with subnormal results replaced by zeros of their sign, bit for bit: subnormal and
+    normal x near 2^-126, signed zeros, Inf and NaN."""
+    rng = np.random.default_rng(12)
+    tiny = np.float32(2.0**-126) * rng.uniform(-4, 4, 2048).astype(np.float32)  # both sides of 2^-126
+    wide = rng.standard_normal(2048).astype(np.float32) * np.exp2(rng.integers(-140, 120, 2048)).astype(np.float32)
+    x = np.concatenate([tiny, wide, np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 2.0**-149, -(2.0**-149)])])
+    x = np.pad(x, (0, 4096 + 2048 - x.size)).astype(np.float32)[:4096]
+    f32 = np.float32(f)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x * f32
+    want = np.where(np.abs(want) < np.float32(2.0**-126), want * np.float32(0.0), want)
+    out = torch.empty(x.size, dtype=torch.float32, device=DEVICE)
+    _mul_flushed_kernel[(1,)](torch.from_numpy(x).to(DEVICE), float(f32), out, N=x.size, HW=not interpreting(),
+                              FTZ_MUL=ftz_multiplier(f))
+    got = out.cpu().numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = ~np.isnan(want)
+    np.testing.assert_array_equal(got.view(np.uint32)[finite], want.view(np.uint32)[finite])
 
 
 @triton.jit

@@ -4,6 +4,7 @@ Everything is integer bit manipulation or exact float32 arithmetic, so the kerne
 reproduce ``dma_jax.formats`` bit for bit (DESIGN.md §3.1).
 """
 
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -30,6 +31,35 @@ def flush_subnormals(x):
 
 
 @triton.jit
+def mul_flushed(x, f, HW: tl.constexpr, FTZ_MUL: tl.constexpr):
+    """``flush_subnormals(x * f)`` for a scalar f, in one instruction per element on
+    a GPU (HW) instead of three (multiply, compare, select-multiply).
+
+    FTZ_MUL (f zero or a normal float with |f| <= 1, ``ftz_multiplier``): one
+    ``mul.ftz``. It also flushes a subnormal x before multiplying, which changes
+    nothing there: |x · f| <= |x| is subnormal or zero anyway, and flushing x first
+    gives the same signed zero. Otherwise the multiply and an ``add.ftz`` of -0
+    (a subnormal sum becomes a zero of its sign; -0 keeps every other value, zeros'
+    signs included). Triton's interpreter has no inline PTX and keeps the select."""
+    if HW and FTZ_MUL:
+        return tl.inline_asm_elementwise("mul.ftz.f32 $0, $1, $2;", "=f,f,f", [x, f], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    elif HW:
+        return tl.inline_asm_elementwise("add.ftz.f32 $0, $1, 0f80000000;", "=f,f", [x * f], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return flush_subnormals(x * f)
+
+
+def ftz_multiplier(f: float) -> bool:
+    """Whether ``mul_flushed`` may multiply by float32 ``f`` with ``mul.ftz``: f is
+    zero or a normal float of magnitude at most 1 (a subnormal f would be flushed
+    too, and |f| > 1 can lift a subnormal x into the normal range)."""
+    a = abs(float(np.float32(f)))
+    return a == 0.0 or 2.0**-126 <= a <= 1.0
+
+
+@triton.jit
 def div_by(a, b, rb):
     """``div_rn(a, b)`` for b > 0 whose reciprocal ``rb = div_rn(1, b)`` is a normal
     float, in one multiply and two FMAs (Markstein's correction) instead of a full
@@ -40,7 +70,9 @@ def div_by(a, b, rb):
     from the dividend. A non-finite a gives a non-finite result (NaN where a division
     gives Inf), which callers zero like any non-finite value."""
     q = a * rb
-    r = tl.fma(-q, b, a)
+    # The negation sits on b (one value per block), not on q: ``-q`` made the
+    # compiler multiply a * rb a second time, negated (4 instructions, not 3).
+    r = tl.fma(q, -b, a)
     return tl.fma(r, rb, q)
 
 

@@ -13,7 +13,8 @@ keep the GPU's integer pipe free (``mx``): E2M1 elements round by float32 tricks
 to nearest even with saturation as the formats do (``round_e4m3``; Triton's
 interpreter, whose conversion does not, keeps an exact emulation), and NVFP4's
 divisions by a reciprocal with Markstein's correction (``div_by``), equal to
-``div_rn`` wherever the quotient is a normal float.
+``div_rn`` wherever the quotient is a normal float; the fold and the subnormal
+flush after it are one FTZ instruction on a GPU (``mul_flushed``).
 
 Smooth-K needs the mean over all valid tokens before any tile can be quantized,
 so it is a separate reduction launch (``channel_mean``); K is read twice.
@@ -32,7 +33,7 @@ import triton.language as tl
 
 from .attention import TILE, interpreting
 from .mx import (abs_max, div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small, element_code, exponent,
-                 flush_subnormals, nan_max, pow2, round_e2m1, round_e4m3, round_to_element)
+                 flush_subnormals, ftz_multiplier, mul_flushed, nan_max, pow2, round_e2m1, round_e4m3, round_to_element)
 
 # Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
 # Kept in step with dma_jax.formats.FORMATS (a test checks it).
@@ -221,27 +222,38 @@ def _tokens(x_ptr, L, H, t, b, h, D: tl.constexpr, end):
 
 
 @triton.jit
-def _shifted(x_ptr, mean_ptr, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
+def _channel_row(mean_ptr, H, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
+    """K's channel mean of (b, h) as a [1, D] row (smooth-K), else 0. Loaded once per
+    program: loaded in the token loop it was moved into the tiles' layout through
+    shared memory (two barriers) at every step."""
+    if SMOOTH:
+        return tl.load(mean_ptr + (b * H + h) * D + tl.arange(0, D))[None, :]
+    else:
+        return 0.0
+
+
+@triton.jit
+def _shifted(x_ptr, mean, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
     """Tokens ``t`` of x[b, :, h] as float32 [T, D] (zeros past L), minus K's channel
-    mean (smooth-K)."""
-    cols = tl.arange(0, D)
-    mask = (t < L)[:, None]
+    mean ``mean`` (smooth-K; ``_channel_row``)."""
     x = _tokens(x_ptr, L, H, t, b, h, D, L)
     if SMOOTH:
         # Tokens past L stay zero: they must not count in a tile's largest scale.
-        x = tl.where(mask, x - tl.load(mean_ptr + (b * H + h) * D + cols)[None, :], 0.0)
+        x = tl.where((t < L)[:, None], x - mean, 0.0)
     return x
 
 
 @triton.jit
-def _prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
+def _prepared(x_ptr, mean, fold, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr, HW: tl.constexpr,
+              FTZ_FOLD: tl.constexpr):
     """``_shifted`` times ``fold`` (Q's softmax scale), subnormals flushed: what is quantized."""
-    return flush_subnormals(_shifted(x_ptr, mean_ptr, L, H, t, b, h, D, SMOOTH) * fold)
+    return mul_flushed(_shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH), fold, HW, FTZ_FOLD)
 
 
 @triton.jit
-def _tile_references(x_ptr, mean_ptr, fold, L, H, tile, b, h, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                     SMOOTH: tl.constexpr, HI_EMAX: tl.constexpr, LO_EMAX: tl.constexpr, LO_NVFP4: tl.constexpr):
+def _tile_references(x_ptr, mean, fold, L, H, tile, b, h, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                     SMOOTH: tl.constexpr, HI_EMAX: tl.constexpr, LO_EMAX: tl.constexpr, LO_NVFP4: tl.constexpr,
+                     HW_CVT: tl.constexpr, FTZ_FOLD: tl.constexpr):
     """K's FP8 scale references for one ``TILE``-token tile: the largest
     ``_token_reference`` of its tokens per copy (MX at least 2^-126; NVFP4 0 while no
     token is non-zero).
@@ -256,7 +268,7 @@ def _tile_references(x_ptr, mean_ptr, fold, L, H, tile, b, h, D: tl.constexpr, B
     widest = tl.zeros((BLOCK_T, D), tl.float32)
     for c in range(0, _SCALE_TILE, BLOCK_T):
         t = tile * _SCALE_TILE + c + tl.arange(0, BLOCK_T)
-        widest = tl.maximum(widest, tl.abs(_shifted(x_ptr, mean_ptr, L, H, t, b, h, D, SMOOTH)),
+        widest = tl.maximum(widest, tl.abs(_shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH)),
                             propagate_nan=tl.PropagateNan.ALL)
     amax = flush_subnormals(nan_max(nan_max(widest, 1), 0) * tl.abs(fold))
     hi_ref = _token_reference(amax, HI_EMAX, False)
@@ -266,7 +278,7 @@ def _tile_references(x_ptr, mean_ptr, fold, L, H, tile, b, h, D: tl.constexpr, B
         lo_ref = tl.full((), 0.0, tl.float32)
         for c in range(0, _SCALE_TILE, BLOCK_T):
             t = tile * _SCALE_TILE + c + tl.arange(0, BLOCK_T)
-            token_amax = abs_max(_prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D, SMOOTH), 1)
+            token_amax = abs_max(_prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, HW_CVT, FTZ_FOLD), 1)
             hi_ref = tl.maximum(hi_ref, tl.max(_token_reference(token_amax, HI_EMAX, False)))
             lo_ref = tl.maximum(lo_ref, tl.max(_token_reference(token_amax, LO_EMAX, LO_NVFP4)))
     return hi_ref, lo_ref
@@ -282,7 +294,7 @@ def _dual_quantize_kernel(
     HI_MAX: tl.constexpr, HI_BLOCK: tl.constexpr,
     LO_E: tl.constexpr, LO_M: tl.constexpr, LO_EMIN: tl.constexpr, LO_EMAX: tl.constexpr,
     LO_MAX: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NVFP4: tl.constexpr,
-    TILE_T: tl.constexpr, PER_TILE: tl.constexpr, HW_CVT: tl.constexpr,
+    TILE_T: tl.constexpr, PER_TILE: tl.constexpr, HW_CVT: tl.constexpr, FTZ_FOLD: tl.constexpr,
 ):
     """One program per (TILE_T tokens, head, batch) of x [B, L, H, D] (contiguous),
     quantized BLOCK_T tokens at a time.
@@ -295,12 +307,13 @@ def _dual_quantize_kernel(
     copy (every pair is high precision)."""
     pid_t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = tl.arange(0, D)
+    mean = _channel_row(mean_ptr, H, b, h, D, SMOOTH)
     hi_ref = 1.0
     lo_ref = 1.0
     if PER_TILE:
         tile = pid_t * TILE_T // _SCALE_TILE
-        hi_ref, lo_ref = _tile_references(x_ptr, mean_ptr, fold, L, H, tile, b, h, D, BLOCK_T, SMOOTH,
-                                          HI_EMAX, LO_EMAX, LO_NVFP4)
+        hi_ref, lo_ref = _tile_references(x_ptr, mean, fold, L, H, tile, b, h, D, BLOCK_T, SMOOTH,
+                                          HI_EMAX, LO_EMAX, LO_NVFP4, HW_CVT, FTZ_FOLD)
         ts = (b * tl.cdiv(L, _SCALE_TILE) + tile) * H + h
         first = (pid_t * TILE_T) % _SCALE_TILE == 0
         tl.store(hi_ts + ts, hi_ref, mask=first)
@@ -316,7 +329,7 @@ def _dual_quantize_kernel(
         mask = t < L
         # Flattened token index in [B, L, H] order: outputs are [B, L, H, ...].
         rows = (b * L + t) * H + h
-        x = _prepared(x_ptr, mean_ptr, fold, L, H, t, b, h, D, SMOOTH)
+        x = _prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, HW_CVT, FTZ_FOLD)
         _quantize_tile(x, rows, cols, mask, hi_ref, hi_codes, hi_scales, lo_token, hi_f8, hi_ts,
                        HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D, WRITE_CODES, WRITE_FP8,
                        PER_TILE, HW_CVT)
@@ -390,7 +403,7 @@ def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
     finite = amax < float("inf")  # False for Inf and NaN
     t_exp = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - 7, -126), 127)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    x = flush_subnormals(_tokens(x_ptr, L, H, t, b, h, D, L))
+    x = mul_flushed(_tokens(x_ptr, L, H, t, b, h, D, L), 1.0, HW_CVT, True)
     codes = e4m3_bytes(tl.where(finite[None, :], x * pow2(-t_exp)[None, :], 0.0), HW_CVT)
     codes = tl.trans(codes)  # [D, BLOCK_T]
     # The padding columns [L, LP) get zeros (x was loaded as 0 there). Masking by
@@ -498,10 +511,11 @@ def transpose_grid(shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 def quantize_meta(head_dim: int, high: str, low: str, smooth: bool, *, codes: bool, fp8: bool,
                   write_lo: bool = True, per_tile: bool = False, tile_t: int = TILE,
-                  block_t: int = QUANTIZE_BLOCK_T, interpret: bool = False) -> dict:
+                  block_t: int = QUANTIZE_BLOCK_T, interpret: bool = False, fold: float = 1.0) -> dict:
     """Constexpr arguments of ``_dual_quantize_kernel``; ``tile_t``: tokens per
     program with ``per_tile`` (``k_tile_tokens``); ``interpret``: for Triton's
-    interpreter (emulated E4M3 rounding instead of the GPU's conversion instruction)."""
+    interpreter (emulated E4M3 rounding instead of the GPU's conversion instruction);
+    ``fold``: the launch's fold, which picks how it is multiplied in (``mx.mul_flushed``)."""
     if per_tile and not fp8:
         raise ValueError("per_tile scales belong to the FP8 copies: it needs fp8=True")
     if per_tile and (TILE % tile_t or tile_t % block_t):
@@ -512,7 +526,7 @@ def quantize_meta(head_dim: int, high: str, low: str, smooth: bool, *, codes: bo
         D=head_dim, BLOCK_T=block_t, SMOOTH=smooth, WRITE_CODES=codes, WRITE_FP8=fp8, WRITE_LO=write_lo,
         HI_E=hi[0], HI_M=hi[1], HI_EMIN=hi[2], HI_EMAX=hi[3], HI_MAX=hi[4], HI_BLOCK=hi[5],
         LO_E=lo[0], LO_M=lo[1], LO_EMIN=lo[2], LO_EMAX=lo[3], LO_MAX=lo[4], LO_BLOCK=lo[5],
-        LO_NVFP4=low == "nvfp4", HW_CVT=not interpret,
+        LO_NVFP4=low == "nvfp4", HW_CVT=not interpret, FTZ_FOLD=ftz_multiplier(fold),
     )
 
 
@@ -618,7 +632,7 @@ def dual_quantize(
     b, l, h, d = x.shape
     tile_t = k_tile_tokens(x.shape) if tile_t is None else tile_t
     meta = quantize_meta(d, high, low, mean is not None, codes=codes, fp8=fp8, write_lo=write_lo,
-                         per_tile=per_tile, tile_t=tile_t, block_t=block_t, interpret=interpreting())
+                         per_tile=per_tile, tile_t=tile_t, block_t=block_t, interpret=interpreting(), fold=fold)
     spec = quantize_outputs(x.shape, high, low, codes=codes, fp8=fp8, write_lo=write_lo, per_tile=per_tile)
     outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=x.device) for shape, dtype in spec]
     _dual_quantize_kernel[quantize_grid(x.shape, block_t, per_tile, tile_t)](
