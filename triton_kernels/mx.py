@@ -42,8 +42,10 @@ def mul_flushed(x, f, HW: tl.constexpr, FTZ_MUL: tl.constexpr):
     (a subnormal sum becomes a zero of its sign; -0 keeps every other value, zeros'
     signs included). Triton's interpreter has no inline PTX and keeps the select."""
     if HW and FTZ_MUL:
-        return tl.inline_asm_elementwise("mul.ftz.f32 $0, $1, $2;", "=f,f,f", [x, f], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+        # A cast, not f itself: jax-triton passes a scalar equal to 1 as the integer
+        # constant 1, whose bits the instruction would read as a float (1.4e-45).
+        return tl.inline_asm_elementwise("mul.ftz.f32 $0, $1, $2;", "=f,f,f", [x, tl.cast(f, tl.float32)],
+                                         dtype=tl.float32, is_pure=True, pack=1)
     elif HW:
         return tl.inline_asm_elementwise("add.ftz.f32 $0, $1, 0f80000000;", "=f,f", [x * f], dtype=tl.float32,
                                          is_pure=True, pack=1)
