@@ -26,7 +26,7 @@ from triton_kernels.quantize import (FORMATS, K_TILE_MIN_PROGRAMS, MEAN_MIN_PROG
                                      fp8_transpose, k_tile_tokens, mean_chunk, mean_launches, quantize_grid,
                                      quantize_meta)
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, TRITON_39, compiler_env
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -353,6 +353,35 @@ def test_mul_flushed_against_numpy(f):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     finite = ~np.isnan(want)
     np.testing.assert_array_equal(got.view(np.uint32)[finite], want.view(np.uint32)[finite])
+
+
+FOLD_ONE_PTX = """
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton_kernels import quantize as quant
+
+kernel = quant._dual_quantize_kernel
+meta = quant.quantize_meta(128, "mxfp8_e4m3", "nvfp4", True, codes=False, fp8=True, per_tile=True, fold=1.0)
+pointers = {"x_ptr": "*bf16", "mean_ptr": "*fp32", "lo_token": "*fp32", "hi_ts": "*fp32", "lo_ts": "*fp32"}
+signature = {n: "constexpr" if n in meta else pointers.get(n, "*u8") for n in kernel.arg_names}
+signature.update(fold="constexpr", L="i32", H="i32")
+src = ASTSource(fn=kernel, signature=signature, constexprs={**meta, "fold": 1})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+for reg in sorted(set(re.findall(r"mul[.]ftz[.]f32 %r[0-9]+, %r[0-9]+, (%r[0-9]+);", ptx))):
+    print(re.search(rf"mov[.]b32 \\s*{reg}, ([^;]+);", ptx).group(1))
+"""
+
+
+@pytest.mark.skipif(not TRITON_39, reason="AOT compilation for sm_90 needs triton >= 3.9 (the device image has 3.6)")
+def test_fold_of_integer_one_multiplies_by_float_one():
+    """Without a GPU: jax-triton passes K's fold of 1.0 as the integer constant 1. The
+    ``mul.ftz`` of ``mx.mul_flushed`` must get 1.0f (bits 1065353216), not the bits of
+    the integer 1 (the float 1.4e-45, which zeroed K's copies on the H200)."""
+    done = subprocess.run([sys.executable, "-c", FOLD_ONE_PTX], cwd=pathlib.Path(__file__).parents[1],
+                          env=compiler_env(), capture_output=True, text=True, check=True)
+    assert set(done.stdout.split()) == {"1065353216"}
 
 
 @triton.jit
