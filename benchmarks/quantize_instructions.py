@@ -4,7 +4,9 @@ The quantizer is bound by its arithmetic (bit-exact rounding in integer operatio
 correctly rounded NVFP4 divisions), not by memory: this counts the SASS instructions
 of one launch configuration (Triton's ``nvdisasm`` on the cubin) and divides by the
 elements each thread quantizes, so a change to the rounding code can be weighed on a
-CPU machine. Needs Triton >= 3.9 (ahead-of-time compilation for sm_90). The counts
+CPU machine. Runs with the CPU venv's Triton 3.9 and with the H200's 3.6 (``pip install
+--no-deps --target /tmp/t36lib triton==3.6.0``, then ``PYTHONPATH=/tmp/t36lib:.``), whose
+compiles differ by a few instructions. The counts
 are static: for the per-token modes that is what runs (no loops), except that each
 ``div.rn`` left in the PTX also brings a slow-path subroutine that runs only for
 extreme operands.
@@ -58,11 +60,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args()
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
-        raise SystemExit("benchmarks/quantize_instructions.py needs triton >= 3.9 to compile for sm_90 without a GPU")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6):
+        raise SystemExit("benchmarks/quantize_instructions.py needs triton >= 3.6 to compile for sm_90 without a GPU")
     per_thread = QUANTIZE_BLOCK_T * args.head_dim // (32 * QUANTIZE_WARPS)
-    print(f"sm_90 SASS of one dual-quantize program: {QUANTIZE_BLOCK_T} tokens x head_dim {args.head_dim}, "
-          f"{QUANTIZE_WARPS} warps, {per_thread} elements per thread and format")
+    print(f"sm_90 SASS (Triton {triton.__version__}) of one dual-quantize program: {QUANTIZE_BLOCK_T} tokens x "
+          f"head_dim {args.head_dim}, {QUANTIZE_WARPS} warps, {per_thread} elements per thread and format")
     print("| mode | low | SASS instructions | per element | PTX div.rn | PTX E4M3 cvt from f32 | from f16 | most frequent |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for mode in MODES:
