@@ -31,18 +31,24 @@ MODES = {"fp8": dict(codes=False, fp8=True), "codes": dict(codes=True, fp8=False
 _POINTERS = {"x_ptr": "*bf16", "mean_ptr": "*fp32", "lo_token": "*fp32", "hi_ts": "*fp32", "lo_ts": "*fp32"}
 
 
-def compiled(head_dim: int, low: str, mode: str) -> dict:
-    """``_dual_quantize_kernel`` compiled for sm_90 (Q: no smooth-K, a scale per token):
-    its ``asm`` dict (``ptx``, ``cubin``, ...)."""
-    meta = quantize_meta(head_dim, "mxfp8_e4m3", low, False, **MODES[mode])
+def compile_sm90(meta: dict, **constants) -> dict:
+    """``_dual_quantize_kernel`` compiled for sm_90 with the constexprs ``meta`` and the
+    scalar arguments named in ``constants`` specialised to those values (``fold=1`` is
+    how jax-triton passes K's fold): its ``asm`` dict (``ptx``, ``cubin``, ...)."""
     names = _dual_quantize_kernel.arg_names
-    signature = {n: "constexpr" if n in meta else _POINTERS.get(n, "*u8") for n in names}
-    signature.update(fold="fp32", L="i32", H="i32")
+    scalars = {n: t for n, t in dict(fold="fp32", L="i32", H="i32").items() if n not in constants}
+    signature = {n: "constexpr" if n in meta or n in constants else scalars.get(n, _POINTERS.get(n, "*u8"))
+                 for n in names}
     # Pointers 16-byte aligned, as torch's allocations are: otherwise every access
     # compiles to byte loads and the count means nothing.
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*")}
-    src = ASTSource(fn=_dual_quantize_kernel, signature=signature, constexprs=meta, attrs=attrs)
+    src = ASTSource(fn=_dual_quantize_kernel, signature=signature, constexprs={**meta, **constants}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=QUANTIZE_WARPS)).asm
+
+
+def compiled(head_dim: int, low: str, mode: str) -> dict:
+    """``compile_sm90`` for Q (no smooth-K, a scale per token) in ``mode``."""
+    return compile_sm90(quantize_meta(head_dim, "mxfp8_e4m3", low, False, **MODES[mode]))
 
 
 def sass_opcodes(sass: str) -> collections.Counter:

@@ -149,7 +149,6 @@ def test_per_tile_fp8_copies_equal_formats(kind, tile_t, fold, high, low):
             np.testing.assert_array_equal(ts.cpu().numpy(), np.asarray(scale), err_msg=fmt)
 
 
-
 @pytest.mark.parametrize("per_tile", [False, True])
 @pytest.mark.parametrize("fold", [0.7, -3.0])
 def test_fold_products_flush_like_formats(fold, per_tile):
@@ -175,6 +174,7 @@ def test_fold_products_flush_like_formats(fold, per_tile):
             assert (want[0, 128:, 0] & 0x7F).any() == (abs(fold) > 1 and fmt != "nvfp4"), fmt
             np.testing.assert_array_equal(f8.cpu().numpy(), want, err_msg=fmt)
             np.testing.assert_array_equal(ts.cpu().numpy(), np.asarray(scale), err_msg=fmt)
+
 
 @pytest.mark.parametrize("shape, want", [
     ((1, 1024, 8, 128), 32),     # 256 programs of 32: still too few, the smallest
@@ -341,14 +341,14 @@ def test_mul_flushed_against_numpy(f):
     tiny = np.float32(2.0**-126) * rng.uniform(-4, 4, 2048).astype(np.float32)  # both sides of 2^-126
     wide = rng.standard_normal(2048).astype(np.float32) * np.exp2(rng.integers(-140, 120, 2048)).astype(np.float32)
     x = np.concatenate([tiny, wide, np.float32([0.0, -0.0, np.inf, -np.inf, np.nan, 2.0**-149, -(2.0**-149)])])
-    x = np.pad(x, (0, 4096 + 2048 - x.size)).astype(np.float32)[:4096]
+    x = np.pad(x, (0, 8192 - x.size))  # a power of two for tl.arange, the special values kept
     f32 = np.float32(f)
     with np.errstate(over="ignore", invalid="ignore"):
         want = x * f32
     want = np.where(np.abs(want) < np.float32(2.0**-126), want * np.float32(0.0), want)
     out = torch.empty(x.size, dtype=torch.float32, device=DEVICE)
-    _mul_flushed_kernel[(1,)](torch.from_numpy(x).to(DEVICE), f if isinstance(f, int) else float(f32), out, N=x.size, HW=not interpreting(),
-                              FTZ_MUL=ftz_multiplier(f))
+    _mul_flushed_kernel[(1,)](torch.from_numpy(x).to(DEVICE), f if isinstance(f, int) else float(f32), out,
+                              N=x.size, HW=not interpreting(), FTZ_MUL=ftz_multiplier(f))
     got = out.cpu().numpy()
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     finite = ~np.isnan(want)
@@ -356,19 +356,12 @@ def test_mul_flushed_against_numpy(f):
 
 
 FOLD_ONE_PTX = """
-import re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton_kernels import quantize as quant
+import re
+from benchmarks.quantize_instructions import compile_sm90
+from triton_kernels.quantize import quantize_meta
 
-kernel = quant._dual_quantize_kernel
-meta = quant.quantize_meta(128, "mxfp8_e4m3", "nvfp4", True, codes=False, fp8=True, per_tile=True, fold=1.0)
-pointers = {"x_ptr": "*bf16", "mean_ptr": "*fp32", "lo_token": "*fp32", "hi_ts": "*fp32", "lo_ts": "*fp32"}
-signature = {n: "constexpr" if n in meta else pointers.get(n, "*u8") for n in kernel.arg_names}
-signature.update(fold="constexpr", L="i32", H="i32")
-src = ASTSource(fn=kernel, signature=signature, constexprs={**meta, "fold": 1})
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+meta = quantize_meta(128, "mxfp8_e4m3", "nvfp4", True, codes=False, fp8=True, per_tile=True, fold=1.0)
+ptx = compile_sm90(meta, fold=1)["ptx"]
 for reg in sorted(set(re.findall(r"mul[.]ftz[.]f32 %r[0-9]+, %r[0-9]+, (%r[0-9]+);", ptx))):
     print(re.search(rf"mov[.]b32 \\s*{reg}, ([^;]+);", ptx).group(1))
 """
