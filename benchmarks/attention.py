@@ -39,6 +39,7 @@ from dma_jax import DMAConfig, bridge
 from dma_jax.kernels import quantize_operands, triton_input_attention
 from dma_jax.metrics import error_metrics
 from dma_jax.synthetic import llm_like_qkv
+from device_name import gpu_tag
 
 Q_HEADS, KV_HEADS = 32, 8
 L2_BYTES = 60 * 2**20
@@ -209,7 +210,7 @@ def main() -> None:
     seqs = [1024, 8192] if args.quick else [int(s) for s in args.seqs.split(",")]
     dims = [128] if args.quick else [int(d) for d in args.head_dims.split(",")]
     os.makedirs(args.out, exist_ok=True)
-    gpu = torch.cuda.get_device_name().split()[-1].lower()  # "h200"
+    gpu = gpu_tag()
     path = os.path.join(args.out, f"{gpu}.json")
     errors = accuracy()
 

@@ -38,6 +38,7 @@ import os
 import torch
 import triton
 
+from device_name import gpu_tag
 from triton_kernels.quantize import (K_TILE_TOKENS, MEAN_CHUNKS, channel_mean, dual_quantize, fp8_transpose,
                                      k_tile_tokens, mean_chunk)
 
@@ -133,7 +134,7 @@ def main() -> None:
     print_by_setting("K's per-tile NVFP4 FP8 copies, µs per tokens per program (ratio to whole tiles)",
                      shapes, rows, "k_tile_by_tokens_ms", K_TILE_TOKENS, "k_tile_tokens")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "quantize_h200.json" if "H200" in torch.cuda.get_device_name() else "quantize_gpu.json")
+    path = os.path.join(args.out, f"quantize_{gpu_tag()}.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(),
                    "device": torch.cuda.get_device_name(), "triton": triton.__version__,

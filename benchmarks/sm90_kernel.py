@@ -14,7 +14,7 @@ GPU only (Hopper). Two parts, one run:
    the other number of slots in its K/V ring (2 or 3), and torch's SDPA (bf16,
    cuDNN/flash) for scale.
 
-Writes ``results/sm90_kernel_h200.json``.
+Writes ``results/sm90_kernel_<gpu>.json`` (``device_name.gpu_tag``).
 
     python benchmarks/sm90_kernel.py [--seqs 8192,16384] [--head-dims 128,64] [--stages 2]
 """
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from device_name import gpu_tag
 from triton_kernels.attention import band_covering_all, mx_attention
 from triton_kernels.attention_sm90 import launch_meta, sm90_attention
 from triton_kernels.dma import softmax_fold
@@ -169,7 +170,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = speed([int(x) for x in args.seqs.split(",")], [int(x) for x in args.head_dims.split(",")])
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "sm90_kernel_h200.json")
+    path = os.path.join(args.out, f"sm90_kernel_{gpu_tag()}.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                    "triton": triton.__version__, "torch": torch.__version__,

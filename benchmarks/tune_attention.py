@@ -22,7 +22,8 @@ import os
 import torch
 import triton
 
-from triton_kernels.attention import LaunchConfig, input_attention, mx_attention
+import dma_jax
+, input_attention, mx_attention
 from triton_kernels.dma import softmax_fold
 from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
 
@@ -84,7 +85,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     dims = "" if args.head_dims == "128,64" else "_d" + args.head_dims.replace(",", "_")
     dims += "_unquantized" if args.unquantized else "" if args.pv == "both" else f"_pv_{args.pv}"
-    path = os.path.join(args.out, f"tune_attention{dims}_h200.json")
+    path = os.path.join(args.out, f"tune_attention{dims}_{gpu_tag()}.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                    "triton": triton.__version__, "seq": s, "heads": [hq, hkv], "results": results}, fh, indent=2)

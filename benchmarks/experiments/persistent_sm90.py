@@ -19,7 +19,7 @@ with 232 registers per consumer thread and 40 per loader thread (an offline caus
 compile spills 116 bytes in the consumers at 216 / 64, none at 232 / 40), the
 persistent one with 64 / 80 loader registers and orders 0 / 1 / 2, one tile per
 program, and torch's SDPA for scale. Hopper only. Writes
-``results/persistent_sm90_h200.json``.
+``results/persistent_sm90_<gpu>.json``.
 
     python benchmarks/experiments/persistent_sm90.py [--seqs 8192,16384]
 """
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/
+from device_name import gpu_tag  # noqa: E402
 from sm90_kernel import back_to_back, operands, rel_l2  # noqa: E402
 
 from triton_kernels import attention_sm90 as main90  # noqa: E402
@@ -144,7 +145,7 @@ def main() -> None:
     agree = agreement(p90, sms)
     rows = speed(p90, [int(x) for x in args.seqs.split(",")])
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "persistent_sm90_h200.json")
+    path = os.path.join(args.out, f"persistent_sm90_{gpu_tag()}.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
                    "agreement": agree, "speed": rows}, fh, indent=1)
