@@ -52,6 +52,17 @@ def copies_needed(seq: int, dim: int) -> int:
     return max(1, min(8, -(-2 * L2_BYTES // per_set)))
 
 
+def input_sets(seq: int, dim: int) -> list[list[jax.Array]]:
+    """Random bf16 (q, k, v) at B=1, 32:8 heads, in enough copies to rotate beyond L2."""
+    key = jax.random.PRNGKey(seq + dim)
+    sets = []
+    for i in range(copies_needed(seq, dim)):
+        ks = jax.random.split(jax.random.fold_in(key, i), 3)
+        sets.append([jax.random.normal(kk, (1, seq, h, dim), jnp.bfloat16)
+                     for kk, h in zip(ks, (Q_HEADS, KV_HEADS, KV_HEADS))])
+    return sets
+
+
 def time_jax(f, sets, min_seconds=0.2) -> float:
     jax.block_until_ready(f(*sets[0]))  # compile and warm up
     n, elapsed = 2, 0.0
@@ -124,12 +135,7 @@ def speed(dims, seqs, save) -> list[dict]:
     print("|---|---|---:|" + "---:|" * (len(names) + 1))
     rows = []
     for dim, causal, seq in itertools.product(dims, (False, True), seqs):
-        key = jax.random.PRNGKey(seq + dim)
-        sets = []
-        for i in range(copies_needed(seq, dim)):
-            ks = jax.random.split(jax.random.fold_in(key, i), 3)
-            sets.append([jax.random.normal(kk, (1, seq, h, dim), jnp.bfloat16)
-                         for kk, h in zip(ks, (Q_HEADS, KV_HEADS, KV_HEADS))])
+        sets = input_sets(seq, dim)
         flops = 4 * seq * seq * Q_HEADS * dim / (2 if causal else 1)
         row = {"head_dim": dim, "causal": causal, "seq": seq, "ms": {}, "tflops": {}, "quantize_ms": {},
                "notes": {}}
