@@ -22,8 +22,8 @@ import os
 import torch
 import triton
 
-import dma_jax
-, input_attention, mx_attention
+from device_name import gpu_tag
+from triton_kernels.attention import LaunchConfig, input_attention, mx_attention
 from triton_kernels.dma import softmax_fold
 from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
 
