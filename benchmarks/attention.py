@@ -35,11 +35,11 @@ import torch
 import triton
 
 import dma_jax
+from device_name import gpu_tag
 from dma_jax import DMAConfig, bridge
 from dma_jax.kernels import quantize_operands, triton_input_attention
 from dma_jax.metrics import error_metrics
 from dma_jax.synthetic import llm_like_qkv
-from device_name import gpu_tag
 
 Q_HEADS, KV_HEADS = 32, 8
 L2_BYTES = 60 * 2**20
