@@ -4,8 +4,9 @@ GPU only. At B=1, S=8192, 32 query and 8 kv heads, D=128, bf16, for the DMA
 default config and the Hopper preset, causal and not, it times
 
 * each launch of a call alone (torch launchers, ``triton.testing.do_bench``):
-  the smooth-K mean, the quantization of Q and of K, V's FP8 transpose (the
-  preset), and the attention kernel on inputs prepared beforehand;
+  the smooth-K partial sums, the quantization of Q and of K (which forms the
+  mean from them), V's FP8 transpose (the preset), and the attention kernel on
+  inputs prepared beforehand;
 * the whole call through torch and through ``jax.jit`` (back-to-back calls), and
   through JAX its quantize launches alone (``dma_jax.kernels.quantize_operands``) and
   its attention launch alone on their outputs (``attend_operands``), back to back.
@@ -42,14 +43,14 @@ import jax.numpy as jnp
 import torch
 import triton
 
-from attention import CONFIGS, KV_HEADS, Q_HEADS, copies_needed, dma_fn, quantize_fn, time_jax
 from device_name import gpu_tag
+from attention import CONFIGS, KV_HEADS, Q_HEADS, copies_needed, dma_fn, quantize_fn, time_jax
 from dma_jax import bridge
 from dma_jax.kernels import attend_operands
 from triton_kernels import attention as attn
 from triton_kernels import attention_sm90 as attn90
 from triton_kernels.dma import attend, dma_attention, softmax_fold
-from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
+from triton_kernels.quantize import channel_sums, dual_quantize, fp8_transpose
 
 
 def compiled_kernels() -> dict[int, object]:
@@ -74,12 +75,12 @@ def launches(cfg, causal, q, k, v):
     d = q.shape[-1]
     has_lo = not attn.all_high(q.shape[1], k.shape[1], 0, cfg.diag_tiles)
     copies = dict(codes=False, fp8=True, write_lo=has_lo)
-    mean = channel_mean(k)
+    mean = channel_sums(k)
     q8 = dual_quantize(q, fold=softmax_fold(d**-0.5), **copies)
     k8 = dual_quantize(k, mean=mean, per_tile=True, **copies)
     vt, v_scale = fp8_transpose(v) if cfg.pv == "fp8" else (None, None)
     stages = {
-        "smooth_k_mean": lambda: channel_mean(k),
+        "smooth_k_sums": lambda: channel_sums(k),
         "quantize_q": lambda: dual_quantize(q, fold=softmax_fold(d**-0.5), **copies),
         "quantize_k": lambda: dual_quantize(k, mean=mean, per_tile=True, **copies),
     }

@@ -28,7 +28,7 @@ from triton.tools.disasm import get_sass
 from triton_kernels.quantize import QUANTIZE_BLOCK_T, QUANTIZE_WARPS, _dual_quantize_kernel, quantize_meta
 
 MODES = {"fp8": dict(codes=False, fp8=True), "codes": dict(codes=True, fp8=False)}
-_POINTERS = {"x_ptr": "*bf16", "mean_ptr": "*fp32", "lo_token": "*fp32", "hi_ts": "*fp32", "lo_ts": "*fp32"}
+_POINTERS = {"x_ptr": "*bf16", "mean_parts": "*fp32", "lo_token": "*fp32", "hi_ts": "*fp32", "lo_ts": "*fp32"}
 
 
 def compile_sm90(meta: dict, **constants) -> dict:
@@ -36,7 +36,7 @@ def compile_sm90(meta: dict, **constants) -> dict:
     scalar arguments named in ``constants`` specialised to those values (``fold=1`` is
     how jax-triton passes K's fold): its ``asm`` dict (``ptx``, ``cubin``, ...)."""
     names = _dual_quantize_kernel.arg_names
-    scalars = {n: t for n, t in dict(fold="fp32", L="i32", H="i32").items() if n not in constants}
+    scalars = {n: t for n, t in dict(n_parts="i32", mean_count="i32", fold="fp32", L="i32", H="i32").items() if n not in constants}
     signature = {n: "constexpr" if n in meta or n in constants else scalars.get(n, _POINTERS.get(n, "*u8"))
                  for n in names}
     # Pointers 16-byte aligned, as torch's allocations are: otherwise every access

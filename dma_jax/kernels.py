@@ -1,12 +1,12 @@
 """The CUDA lowering of ``dma_attention``: the Triton kernels through jax-triton.
 
-Five launches per call (seven with ``pv="fp8"``), the same kernels the torch
-front end runs: the smooth-K mean (partial sums, then their fixed-order total),
-the dual quantization of Q and of K, for the FP8 P·V V's channel amax and its
-transposed E4M3 copy, and the attention kernel (on an H200 at head_dim 128 with
-bf16/fp16 P·V the Gluon kernel of ``triton_kernels.attention_sm90``, through
-``gluon_call``). jax-triton has no dtype
-for float8/E8M0/FP4, so codes and scales travel as uint8.
+Four launches per call (six with ``pv="fp8"``), the same kernels the torch
+front end runs: the smooth-K mean's partial sums, the dual quantization of Q
+and of K (whose programs add the partials up into the mean), for the FP8 P·V
+V's channel amax and its transposed E4M3 copy, and the attention kernel (on an
+H200 at head_dim 128 with bf16/fp16 P·V the Gluon kernel of
+``triton_kernels.attention_sm90``, through ``gluon_call``). jax-triton has no
+dtype for float8/E8M0/FP4, so codes and scales travel as uint8.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def _tile_plan(q_len: int, kv_len: int, q_offset: int, config: DMAConfig):
 
 
 def quantize_operands(q, k, v, *, config: DMAConfig, q_offset: int):
-    """The launches of one DMA call before the attention kernel (the smooth-K mean, the
-    dual quantization of Q and of K, V's transposed FP8 copy for ``pv="fp8"``):
+    """The launches of one DMA call before the attention kernel (the smooth-K partial
+    sums, the dual quantization of Q and of K, V's transposed FP8 copy for ``pv="fp8"``):
     ``(q8, k8, vt, v_scale)``, Q's and K's nine kernel operands each, and V^T and its
     per-channel scale (V itself for both where P·V reads V). The benchmarks time them
     alone."""
@@ -84,24 +84,22 @@ def quantize_operands(q, k, v, *, config: DMAConfig, q_offset: int):
             AMAX=amax,
         )
 
-    mean = k
+    # Smooth-K: the partial sums (and their number and divisor), which K's
+    # quantization adds up into the mean.
+    mean = (k, 1, 1)
     if config.smooth_k:
-        plan = quant.mean_launches(k.shape)
-        mean = jt.triton_call(
-            channel_partials(k, False), kv_len, kv_heads, plan.n_chunks, kernel=quant._channel_mean_kernel,
-            out_shape=_sds((batch, kv_heads, dim), np.float32), grid=plan.mean_grid, D=dim,
-        )
+        mean = (channel_partials(k, False), quant.mean_launches(k.shape).n_chunks, kv_len)
 
     def dual(x, shift, fold, smooth, per_tile):
         return jt.triton_call(
-            x, shift, np.float32(fold), x.shape[1], x.shape[2], kernel=quant._dual_quantize_kernel,
+            x, *shift, np.float32(fold), x.shape[1], x.shape[2], kernel=quant._dual_quantize_kernel,
             out_shape=[_sds(s, d) for s, d in quant.quantize_outputs(x.shape, high, low, **copies, per_tile=per_tile)],
             grid=quant.quantize_grid(x.shape, per_tile=per_tile), num_warps=quant.QUANTIZE_WARPS,
             **quant.quantize_meta(dim, high, low, smooth, **copies, per_tile=per_tile,
                                   tile_t=quant.k_tile_tokens(x.shape), fold=fold),
         )
 
-    q8 = dual(q, q, softmax_fold(config.softmax_scale(dim)), False, False)
+    q8 = dual(q, (q, 1, 1), softmax_fold(config.softmax_scale(dim)), False, False)
     # K's FP8 copies carry one scale per 128-key tile (formats.fp8_per_tile).
     k8 = dual(k, mean, 1.0, config.smooth_k, copies["fp8"])
     vt = v_scale = v

@@ -21,3 +21,16 @@ def test_persistent_sm90_patch_applies_to_main():
     assert "programs" in inspect.signature(patched.sm90_attention).parameters
     assert patched.launch_meta(128, True, True)["LOADER_REGS"] == 80
     assert attention_sm90.launch_meta(128, True, True)["LOADER_REGS"] == 64
+
+
+def test_causal_order_model_schedules_like_a_list_scheduler():
+    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
+    import causal_order_model as model
+
+    # Two slots, tiles in order: 1 -> slot 0, 1 -> slot 1, 4 -> slot 0 (free at 1): ends at 5.
+    assert model.makespan([1, 1, 4], 2) == 5
+    assert model.makespan([4, 1, 1], 2) == 4  # longest first
+    # Two heads of two query blocks (costs m + 1): head-major deals 2, 1, 2, 1;
+    # longest first 2, 2, 1, 1.
+    assert model.tile_costs(256, 2, 1, 128, "head_major", 1.0, 0.0) == [2, 1, 2, 1]
+    assert model.tile_costs(256, 2, 1, 128, "longest_first", 1.0, 0.0) == [2, 2, 1, 1]

@@ -22,7 +22,7 @@ from triton_kernels import attention_sm90 as attn90
 from triton_kernels import dma
 from triton_kernels import quantize as quant
 
-KERNELS = [(quant, "_channel_reduce_kernel"), (quant, "_channel_mean_kernel"), (quant, "_dual_quantize_kernel"),
+KERNELS = [(quant, "_channel_reduce_kernel"), (quant, "_dual_quantize_kernel"),
            (quant, "_fp8_transpose_kernel"), (attn, "_dma_attention_kernel"), (attn90, "_dma_attention_sm90_kernel")]
 ATTENTION = ("_dma_attention_kernel", "_dma_attention_sm90_kernel")
 

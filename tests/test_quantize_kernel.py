@@ -3,6 +3,7 @@
 Runs under TRITON_INTERPRET=1 on CPU (conftest) and natively on a GPU.
 """
 
+import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -22,9 +23,9 @@ from dma_jax.formats import fp8_per_channel, fp8_per_tile, fp8_per_token
 from triton_kernels.attention import interpreting
 from triton_kernels.mx import (div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small, ftz_multiplier, mul_flushed, round_e2m1,
                                round_e4m3)
-from triton_kernels.quantize import (FORMATS, K_TILE_MIN_PROGRAMS, MEAN_MIN_PROGRAMS, channel_mean, dual_quantize,
-                                     fp8_transpose, k_tile_tokens, mean_chunk, mean_launches, quantize_grid,
-                                     quantize_meta)
+from triton_kernels.quantize import (FORMATS, K_TILE_MIN_PROGRAMS, MEAN_MIN_PROGRAMS, channel_mean, channel_sums,
+                                     dual_quantize, fp8_transpose, k_tile_tokens, mean_chunk, mean_launches,
+                                     quantize_grid, quantize_meta)
 
 from conftest import HAS_CUDA, TRITON_39, compiler_env
 
@@ -420,9 +421,28 @@ def test_channel_mean_against_float64():
     x = inputs("outliers", (2, 300, 3, 64), seed=5)
     xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
     want = xt.double().mean(dim=1).cpu().numpy()
-    for chunk in (64, 100, 512, None):  # several partial sums, a ragged last chunk, one chunk, the default
+    # Several partial sums, a ragged last chunk, one chunk, the default, and 19 partials
+    # (more than one step of _channel_total, the last one partly padding).
+    for chunk in (64, 100, 512, None, 16):
         got = channel_mean(xt, chunk=chunk).cpu().numpy()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])  # 13 partials (two steps of 8, padded) and 4
+def test_mean_formed_in_the_quantize_launch_has_channel_means_bits(chunk):
+    # K's path: dual_quantize adds channel_sums' partials up itself. Every output must
+    # equal the one quantized with channel_mean's mean (checked against float64 above,
+    # and the copies against dma_jax.formats in test_head_dim_128_smooth_k_and_half_dtypes).
+    xt = torch.from_numpy(inputs("outliers", (2, 200, 2, 64), seed=9)).to(torch.bfloat16).to(DEVICE)
+    sums = channel_sums(xt, chunk=chunk)
+    assert sums.count == 200 and sums.parts.shape == (-(-200 // chunk), 2, 2, 64)
+    for mode in (dict(codes=True, fp8=False), dict(codes=False, fp8=True, per_tile=True)):
+        want = dataclasses.astuple(dual_quantize(xt, mean=channel_mean(xt, chunk=chunk), **mode))
+        got = dataclasses.astuple(dual_quantize(xt, mean=sums, **mode))
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if g is not None:
+                np.testing.assert_array_equal(g.cpu().numpy().view(np.uint8), w.cpu().numpy().view(np.uint8))
 
 
 @pytest.mark.parametrize("shape, want", [

@@ -292,10 +292,15 @@ def _dma_attention_sm90_kernel(
     """Operands as for ``attention._dma_attention_kernel``'s FP8 path; grid
     (query blocks of 128, HQ, B), 4 warps (the first consumer) plus the workers."""
     if CAUSAL:
-        m = gl.num_programs(0) - 1 - gl.program_id(0)  # longest rows first
+        # Longest tiles first across all heads of a batch item, as in
+        # attention._dma_attention_kernel (which says why).
+        n_m, n_h = gl.num_programs(0), gl.num_programs(1)
+        rank = gl.program_id(1) * n_m + gl.program_id(0)
+        m = n_m - 1 - rank // n_h
+        h = rank % n_h
     else:
         m = gl.program_id(0)
-    h = gl.program_id(1)
+        h = gl.program_id(1)
     b = gl.program_id(2)
     kvh = h // (HQ // HKV)
     p0 = (block0 + m) * 128

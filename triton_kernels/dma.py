@@ -1,7 +1,7 @@
 """DMA attention on torch tensors: smooth-K mean, dual quantization of Q and K, the kernel.
 
-Four launches (mean partials, mean, quantize Q, quantize K), two more for the
-FP8 P·V (V's channel amax partials, its transposed E4M3 copy), and one attention
+Three launches (smooth-K's partial sums, quantize Q, quantize K, which adds the
+partials up into the mean), two more for the FP8 P·V (V's channel amax partials, its transposed E4M3 copy), and one attention
 launch (``attend``): the Gluon kernel of ``attention_sm90`` where ``attention_sm90.applies``,
 else ``attention``'s. The JAX front end (``dma_jax.kernels``) issues the same
 launches through jax-triton (the Gluon kernel through ``dma_jax.gluon_call``). This module never imports JAX.
@@ -16,7 +16,7 @@ import torch
 from .attention import all_high, device_capability, mx_attention, resolve_native
 from .attention_sm90 import applies as sm90_applies
 from .attention_sm90 import sm90_attention
-from .quantize import channel_mean, dual_quantize, fp8_transpose
+from .quantize import channel_sums, dual_quantize, fp8_transpose
 
 
 def softmax_fold(sm_scale: float) -> float:
@@ -38,7 +38,7 @@ def dma_attention(
     tiles = resolve_native(capability, low, native)
     has_lo = not all_high(q.shape[1], k.shape[1], q_offset, diag_tiles)
     copies = dict(high=high, low=low, codes=any(tiles), fp8=not all(tiles), write_lo=has_lo)
-    mean = channel_mean(k) if smooth_k else None
+    mean = channel_sums(k) if smooth_k else None
     q8 = dual_quantize(q, fold=softmax_fold(sm_scale), **copies)
     k8 = dual_quantize(k, mean=mean, per_tile=copies["fp8"], **copies)
     vt, v_scale = fp8_transpose(v) if pv == "fp8" else (None, None)

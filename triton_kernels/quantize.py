@@ -17,7 +17,9 @@ divisions by a reciprocal with Markstein's correction (``div_by``), equal to
 flush after it are one FTZ instruction on a GPU (``mul_flushed``).
 
 Smooth-K needs the mean over all valid tokens before any tile can be quantized,
-so it is a separate reduction launch (``channel_mean``); K is read twice.
+so a reduction launch first writes per-chunk partial sums (``channel_sums``), and
+each K program adds them up itself (``_channel_total``, in a fixed order); K is read
+twice.
 
 This module imports torch and triton only, never JAX.
 """
@@ -222,12 +224,31 @@ def _tokens(x_ptr, L, H, t, b, h, D: tl.constexpr, end):
 
 
 @triton.jit
-def _channel_row(mean_ptr, H, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
-    """K's channel mean of (b, h) as a [1, D] row (smooth-K), else 0. Loaded once per
-    program: loaded in the token loop it was moved into the tiles' layout through
+def _channel_total(part_ptr, n_parts, count, B, H, b, h, D: tl.constexpr):
+    """(sum of the partials of (b, h), in chunk order) / count, float32 [D]; partials
+    ``[n_parts, B, H, D]`` (``_channel_reduce_kernel``'s). One sequential order for
+    every kernel that forms K's mean, so the mean has the same bits wherever it is
+    formed. ``_SUM_STEP`` partials are requested at once: one load per step made
+    the total a chain of L2 round trips (~6 µs for 32 partials on an H100)."""
+    cols = tl.arange(0, D)
+    acc = tl.zeros((D,), tl.float32)
+    for c0 in range(0, n_parts, _SUM_STEP):
+        for i in tl.static_range(_SUM_STEP):
+            c = c0 + i
+            # The padding adds +0.0, which changes no bit: acc starts at +0.0 and a
+            # round-to-nearest sum is -0.0 only when both addends are.
+            acc += tl.load(part_ptr + ((c * B + b) * H + h) * D + cols, mask=c * D + cols < n_parts * D, other=0.0)
+    return tl.math.div_rn(acc, tl.full((D,), 1.0, tl.float32) * count)
+
+
+@triton.jit
+def _channel_row(part_ptr, n_parts, count, H, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
+    """K's channel mean of (b, h) as a [1, D] row (smooth-K), else 0; ``part_ptr``,
+    ``n_parts``, ``count`` as for ``_channel_total`` (grid (tokens, H, B)). Formed once
+    per program: loaded in the token loop it was moved into the tiles' layout through
     shared memory (two barriers) at every step."""
     if SMOOTH:
-        return tl.load(mean_ptr + (b * H + h) * D + tl.arange(0, D))[None, :]
+        return _channel_total(part_ptr, n_parts, count, tl.num_programs(2), H, b, h, D)[None, :]
     else:
         return 0.0
 
@@ -286,7 +307,7 @@ def _tile_references(x_ptr, mean, fold, L, H, tile, b, h, D: tl.constexpr, BLOCK
 
 @triton.jit
 def _dual_quantize_kernel(
-    x_ptr, mean_ptr, fold, L, H,
+    x_ptr, mean_parts, n_parts, mean_count, fold, L, H,
     hi_codes, hi_scales, lo_codes, lo_scales, lo_token, hi_f8, hi_ts, lo_f8, lo_ts,
     D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_FP8: tl.constexpr, WRITE_LO: tl.constexpr,
@@ -307,7 +328,7 @@ def _dual_quantize_kernel(
     copy (every pair is high precision)."""
     pid_t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = tl.arange(0, D)
-    mean = _channel_row(mean_ptr, H, b, h, D, SMOOTH)
+    mean = _channel_row(mean_parts, n_parts, mean_count, H, b, h, D, SMOOTH)
     hi_ref = 1.0
     lo_ref = 1.0
     if PER_TILE:
@@ -372,14 +393,10 @@ def _channel_reduce_kernel(x_ptr, L, H, CHUNK, part_ptr, D: tl.constexpr, BLOCK_
 
 @triton.jit
 def _channel_mean_kernel(part_ptr, L, H, N_CHUNKS, mean_ptr, D: tl.constexpr):
-    """mean = (sum of the partials, in chunk order) / L, per (head, batch)."""
+    """mean = ``_channel_total`` of the partials / L, per (head, batch)."""
     h, b = tl.program_id(0), tl.program_id(1)
-    cols = tl.arange(0, D)
-    acc = tl.zeros((D,), tl.float32)
-    for c in range(0, N_CHUNKS):
-        acc += tl.load(part_ptr + ((c * tl.num_programs(1) + b) * H + h) * D + cols)
-    mean = tl.math.div_rn(acc, tl.full((D,), 1.0, tl.float32) * L)
-    tl.store(mean_ptr + (b * H + h) * D + cols, mean)
+    mean = _channel_total(part_ptr, N_CHUNKS, L, tl.num_programs(1), H, b, h, D)
+    tl.store(mean_ptr + (b * H + h) * D + tl.arange(0, D), mean)
 
 
 @triton.jit
@@ -450,6 +467,8 @@ QUANTIZE_WARPS = 4
 MEAN_CHUNKS = (256, 128, 64)
 MEAN_MIN_PROGRAMS = 64
 MEAN_BLOCK_T = 64
+# Partials that _channel_total requests at once.
+_SUM_STEP = tl.constexpr(8)
 # Tokens per program of K's per-tile FP8 copies, largest first. Every program passes
 # over its whole 128-token tile for the scale, so splitting a tile repeats that pass:
 # worth it only where whole tiles give too few programs (H200, 8 kv heads, µs: 1k
@@ -578,6 +597,21 @@ def _channel_partials(x: torch.Tensor, amax: bool, chunk: int | None = None):
     return parts, plan.n_chunks
 
 
+class ChannelSums(NamedTuple):
+    """K's channel mean as ``dual_quantize`` takes it unreduced: float32 partial sums
+    ``[n, B, H, D]`` over chunks of tokens, and the token count they divide by."""
+
+    parts: torch.Tensor
+    count: int
+
+
+def channel_sums(x: torch.Tensor, chunk: int | None = None) -> ChannelSums:
+    """The partial sums of ``x [B, L, H, D]`` over ``chunk`` tokens each (by default
+    ``mean_chunk``; one launch): ``dual_quantize(mean=...)`` forms the mean from them
+    in the launch that quantizes, the same bits as ``channel_mean``."""
+    return ChannelSums(_channel_partials(x, False, chunk)[0], x.shape[1])
+
+
 def channel_mean(x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """Float32 mean of ``x [B, L, H, D]`` over L, shape ``[B, H, D]`` (deterministic;
     ``chunk`` tokens per partial sum, by default ``mean_chunk``)."""
@@ -609,7 +643,7 @@ def dual_quantize(
     high: str = "mxfp8_e4m3",
     low: str = "nvfp4",
     fold: float = 1.0,
-    mean: torch.Tensor | None = None,
+    mean: torch.Tensor | ChannelSums | None = None,
     codes: bool = True,
     fp8: bool = False,
     write_lo: bool = True,
@@ -620,8 +654,9 @@ def dual_quantize(
 ) -> DualQuantized:
     """Quantize ``(x - mean) * fold`` into ``high`` and ``low`` in one launch.
 
-    x: bf16/fp16/fp32 ``[B, L, H, D]``, contiguous. ``mean``: float32 ``[B, H, D]``
-    (smooth-K) or None. ``fold`` is rounded to float32 (the folded softmax scale for Q).
+    x: bf16/fp16/fp32 ``[B, L, H, D]``, contiguous. ``mean`` (smooth-K): float32
+    ``[B, H, D]``, or ``channel_sums(x)``, from which the launch forms the mean; None
+    for no smoothing. ``fold`` is rounded to float32 (the folded softmax scale for Q).
     ``codes`` writes codes and scales, ``fp8`` the E4M3 copies, with one scale per
     token or, with ``per_tile`` (K on sm_90), per 128-token tile
     (``dma_jax.formats.fp8_per_tile``); ``write_lo=False`` skips the low copy.
@@ -635,8 +670,11 @@ def dual_quantize(
                          per_tile=per_tile, tile_t=tile_t, block_t=block_t, interpret=interpreting(), fold=fold)
     spec = quantize_outputs(x.shape, high, low, codes=codes, fp8=fp8, write_lo=write_lo, per_tile=per_tile)
     outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=x.device) for shape, dtype in spec]
+    if isinstance(mean, torch.Tensor):
+        mean = ChannelSums(mean[None], 1)  # one partial, divided by 1: the mean exactly
+    shift = (x, 1, 1) if mean is None else (mean.parts, mean.parts.shape[0], mean.count)
     _dual_quantize_kernel[quantize_grid(x.shape, block_t, per_tile, tile_t)](
-        x, mean if mean is not None else x, float(torch.tensor(fold, dtype=torch.float32)), l, h, *outs,
+        x, *shift, float(torch.tensor(fold, dtype=torch.float32)), l, h, *outs,
         **meta, num_warps=num_warps,
     )
     flags = written_outputs(low, codes=codes, fp8=fp8, write_lo=write_lo)
