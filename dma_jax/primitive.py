@@ -4,7 +4,8 @@ The primitive ``dma_attention`` has an abstract evaluation rule, a CUDA
 lowering through the Triton kernels (jax-triton), a default lowering through
 the jnp reference (CPU and any other platform), a batching rule that folds
 vmapped axes into the batch axis, and differentiation rules that raise: DMA is
-an inference-only forward pass.
+an inference-only forward pass. Both lowerings run per shard when the inputs are
+sharded over several devices (``dma_jax.sharding``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jax.interpreters import ad, batching, mlir
 
 from .config import DMAConfig
 from .reference import dma_reference
+from .sharding import partitioned
 from .validation import check_attention_inputs, resolve_q_offset
 
 __all__ = ["attention", "dma_attention_p"]
@@ -31,26 +33,31 @@ def _abstract_eval(q, k, v, *, causal, config, q_offset):
     return jax.core.ShapedArray(q.shape, q.dtype)
 
 
-def _reference_lowering(q, k, v, *, causal, config, q_offset):
+def _reference_local(q, k, v, causal, config, q_offset):
     return dma_reference(q, k, v, causal=causal, config=config, q_offset=q_offset)
 
 
-mlir.register_lowering(
-    dma_attention_p, mlir.lower_fun(_reference_lowering, multiple_results=False)
-)
-
-
-def _triton_lowering(q, k, v, *, causal, config, q_offset):
+def _triton_local(q, k, v, causal, config, q_offset):
     # Imported on first use: Triton, torch and jax-triton load only on GPU machines.
     from .kernels import triton_attention
 
     return triton_attention(q, k, v, causal=causal, config=config, q_offset=q_offset)
 
 
+def _lowering(local):
+    """A lowering rule that runs ``local`` per shard of sharded inputs (``sharding``)."""
+    per_shard = partitioned(local)
+    return mlir.lower_fun(
+        lambda q, k, v, *, causal, config, q_offset: per_shard(q, k, v, causal, config, q_offset),
+        multiple_results=False,
+    )
+
+
+mlir.register_lowering(dma_attention_p, _lowering(_reference_local))
+# custom_partitioning's lowering needs the devices the call runs on.
+dispatch.prim_requires_devices_during_lowering.add(dma_attention_p)
 # NVIDIA GPUs run the Triton kernels (through jax-triton) instead of the reference.
-mlir.register_lowering(
-    dma_attention_p, mlir.lower_fun(_triton_lowering, multiple_results=False), platform="cuda"
-)
+mlir.register_lowering(dma_attention_p, _lowering(_triton_local), platform="cuda")
 
 
 def _batch_rule(args, dims, **params):
