@@ -256,9 +256,50 @@ def _quantize(x: jax.Array, f: Format) -> Quantized:
     return Quantized(codes, scales, token_scale)
 
 
+def _describe(a) -> str:
+    return "None" if a is None else f"{np.dtype(a.dtype).name}{list(a.shape)}"
+
+
+def _checked(q: Quantized, fmt: str) -> Format:
+    """The format of ``fmt`` once ``q`` is known to have its layout (else ValueError)."""
+    f = get_format(fmt)
+    codes, scales, token_scale = q
+    nvfp4 = f.scale == "e4m3_fp32"
+    ok = (all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (codes, scales))
+          and codes.dtype == jnp.uint8 and scales.dtype == jnp.uint8 and codes.ndim >= 1)
+    if ok:
+        d = codes.shape[-1] * (2 if f.packed else 1)
+        ok = d % f.block == 0 and tuple(scales.shape) == (*codes.shape[:-1], d // f.block)
+    if ok and nvfp4:
+        ok = (token_scale is not None and token_scale.dtype == jnp.float32
+              and tuple(token_scale.shape) == tuple(codes.shape[:-1]))
+    elif ok:
+        ok = token_scale is None
+    if not ok:
+        width = "D // 2" if f.packed else "D"
+        token = "float32 token_scale [...]" if nvfp4 else "token_scale None"
+        raise ValueError(
+            f"{f.name} expects Quantized(codes uint8 [..., {width}], scales uint8 [..., D // {f.block}], {token}) "
+            f"as quantize(x, {f.name!r}) returns; got codes {_describe(codes)}, scales {_describe(scales)}, "
+            f"token_scale {_describe(token_scale)}"
+        )
+    return f
+
+
+def _token_scale(q: Quantized) -> jax.Array:
+    """NVFP4's per-token scale (present once ``_checked`` has passed)."""
+    if q.token_scale is None:
+        raise ValueError("nvfp4 needs the token_scale that quantize returns")
+    return q.token_scale
+
+
 def dequantize(q: Quantized, fmt: str) -> jax.Array:
-    """Float32 values of a :class:`Quantized` tensor, ``[..., D]``."""
-    return _dequantize(q, get_format(fmt))
+    """Float32 values of a :class:`Quantized` tensor, ``[..., D]``.
+
+    ``q`` must have ``fmt``'s layout (as ``quantize(x, fmt)`` returns); a mismatch
+    raises ``ValueError``.
+    """
+    return _dequantize(q, _checked(q, fmt))
 
 
 @partial(jax.jit, static_argnums=1)
@@ -274,7 +315,7 @@ def _dequantize(q: Quantized, f: Format) -> jax.Array:
         out = jnp.where((q.scales == 255)[..., None], jnp.nan, out)
     else:
         sb = _element_values(q.scales, _E4M3)[..., None]
-        out = (values * sb) * q.token_scale[..., None, None]
+        out = (values * sb) * _token_scale(q)[..., None, None]
     return out.reshape(*out.shape[:-2], -1)
 
 
@@ -293,7 +334,7 @@ def fp8_per_token(q: Quantized, fmt: str) -> tuple[jax.Array, jax.Array]:
     A token with a non-finite block gets a NaN scale and zero values.
     Returns (float32 values ``[..., D]``, float32 ``token_scale [...]``).
     """
-    return _fp8_per_token(q, get_format(fmt))
+    return _fp8_per_token(q, _checked(q, fmt))
 
 
 @partial(jax.jit, static_argnums=1)
@@ -312,7 +353,7 @@ def _fp8_per_token(q: Quantized, f: Format) -> tuple[jax.Array, jax.Array]:
         finite = q.scales != 0x7F
         sb = _element_values(q.scales, _E4M3)
         values = round_to_element(e * jnp.where(finite, sb, 0.0)[..., None] * 0.125, _E4M3)
-        token = q.token_scale * 8.0
+        token = _token_scale(q) * 8.0
     values = jnp.where(finite[..., None], values, 0.0)
     token = jnp.where(jnp.all(finite, axis=-1), token, jnp.nan)
     return values.reshape(*values.shape[:-2], -1), token
@@ -339,11 +380,12 @@ def fp8_per_tile(q: Quantized, fmt: str, tile: int = 128, axis: int = 1) -> tupl
     Returns (float32 values of the quantized tensor's shape, float32 scales of the
     token grid's shape with ``axis`` of length ``ceil(tokens / tile)``).
     """
+    f = _checked(q, fmt)
     grid = q.codes.ndim - 1
     if not -grid <= axis < grid or tile < 1:
         raise ValueError(f"axis must index the token grid (ndim {grid}) and tile be >= 1; got axis={axis}, "
                          f"tile={tile}")
-    return _fp8_per_tile(q, get_format(fmt), tile, axis % grid)
+    return _fp8_per_tile(q, f, tile, axis % grid)
 
 
 def _tile_max(x: jax.Array, tile: int, axis: int, fill) -> jax.Array:
@@ -377,9 +419,10 @@ def _fp8_per_tile(q: Quantized, f: Format, tile: int, axis: int) -> tuple[jax.Ar
         finite = q.scales != 0x7F
         token_ok = jnp.all(finite, axis=-1)
         nonzero = token_ok & jnp.any(q.scales != 0, axis=-1)
-        s2_max = _tile_max(jnp.where(nonzero, q.token_scale, 0.0), tile, axis, 0.0)
+        s2 = _token_scale(q)
+        s2_max = _tile_max(jnp.where(nonzero, s2, 0.0), tile, axis, 0.0)
         s2_max = jnp.where(s2_max == 0, 1.0, s2_max)
-        ratio = div_rn(q.token_scale, _per_token(s2_max, tile, axis, n))
+        ratio = div_rn(s2, _per_token(s2_max, tile, axis, n))
         sb = _element_values(q.scales, _E4M3)
         values = round_to_element((e * (jnp.where(finite, sb, 0.0) * 0.125)[..., None]) * ratio[..., None, None],
                                   _E4M3)

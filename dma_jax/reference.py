@@ -43,7 +43,8 @@ def high_pair_fraction(config: DMAConfig, seq_len: int, *, causal: bool = True) 
     """Fraction of the unmasked (query, key) pairs of a ``seq_len`` self-attention
     that are computed in the high format."""
     pos = np.arange(seq_len)
-    high = np.asarray(pair_is_high(pos[:, None], pos[None, :], causal=causal, config=config))
+    high = np.asarray(pair_is_high(jnp.asarray(pos[:, None]), jnp.asarray(pos[None, :]), causal=causal,
+                                   config=config))
     valid = pos[None, :] <= pos[:, None] if causal else np.ones_like(high)
     return float((high & valid).sum() / valid.sum())
 
@@ -178,6 +179,8 @@ def dma_reference(
 
     uniform = _uniform_precision(config, causal, q_len, kv_len, q_offset)
     tile = config.tile_size
+    q_lo: jax.Array | None
+    k_lo: jax.Array | None
     if uniform is None:
         q_hi, k_hi = _dequantized(q32, config.high, operands), _dequantized(k32, config.high, operands, tile)
         q_lo, k_lo = _dequantized(q32, config.low, operands), _dequantized(k32, config.low, operands, tile)

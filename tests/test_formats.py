@@ -300,6 +300,36 @@ def test_fp8_per_tile_rejects_a_bad_axis():
         fp8_per_tile(q, "mxfp4", axis=2)
 
 
+# Formats whose Quantized layouts differ (e4m3 and e5m2 share one: their codes are
+# told apart only by the format name the caller passes).
+MISMATCHED = [(a, b) for a in ALL for b in ALL if a != b and {a, b} != {"mxfp8_e4m3", "mxfp8_e5m2"}]
+
+
+@pytest.mark.parametrize("made, read", MISMATCHED)
+@pytest.mark.parametrize("reader", [dequantize, fp8_per_token, fp8_per_tile])
+def test_readers_reject_another_formats_layout(made, read, reader):
+    q = quantize(jnp.ones((2, 3, 64)), made)
+    with pytest.raises(ValueError, match=f"{read} expects Quantized.*got codes uint8"):
+        reader(q, read)
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_readers_reject_malformed_quantized(fmt):
+    q = quantize(jnp.ones((2, 64)), fmt)
+    bad = [q._replace(codes=q.codes.astype(jnp.float32)),
+           q._replace(scales=q.scales[:, :1]),
+           q._replace(codes=q.codes[0])]
+    bad.append(q._replace(token_scale=None if fmt == "nvfp4" else jnp.ones(2)))
+    if fmt == "nvfp4":
+        bad.append(q._replace(token_scale=q.token_scale.astype(jnp.bfloat16)))
+    for b in bad:
+        with pytest.raises(ValueError, match=f"{fmt} expects"):
+            dequantize(b, fmt)
+    # Under jit the layout is checked on the traced shapes.
+    with pytest.raises(ValueError, match=f"{fmt} expects"):
+        jax.jit(lambda c: dequantize(q._replace(codes=c), fmt))(q.codes[:, :8])
+
+
 def test_fp8_per_channel_matches_oracle():
     rng = np.random.default_rng(13)
     x = rng.standard_normal((2, 50, 3, 64)).astype(np.float32) * rng.uniform(1e-2, 1e2, (1, 1, 3, 64))

@@ -435,7 +435,7 @@ def test_mean_formed_in_the_quantize_launch_has_channel_means_bits(chunk):
     # and the copies against dma_jax.formats in test_head_dim_128_smooth_k_and_half_dtypes).
     xt = torch.from_numpy(inputs("outliers", (2, 200, 2, 64), seed=9)).to(torch.bfloat16).to(DEVICE)
     sums = channel_sums(xt, chunk=chunk)
-    assert sums.count == 200 and sums.parts.shape == (-(-200 // chunk), 2, 2, 64)
+    assert sums.tokens == 200 and sums.parts.shape == (-(-200 // chunk), 2, 2, 64)
     for mode in (dict(codes=True, fp8=False), dict(codes=False, fp8=True, per_tile=True)):
         want = dataclasses.astuple(dual_quantize(xt, mean=channel_mean(xt, chunk=chunk), **mode))
         got = dataclasses.astuple(dual_quantize(xt, mean=sums, **mode))

@@ -8,6 +8,7 @@ import pytest
 
 from dma_jax import DMAConfig, exact_attention, reference_attention
 from dma_jax.config import ALL_TILES
+from dma_jax.reference import high_pair_fraction
 
 import oracle
 
@@ -143,3 +144,24 @@ def test_unknown_operands_are_rejected():
     q, k, v = make_qkv(6, 1, 8, 8, 2, 2, 64)
     with pytest.raises(ValueError, match="operands must be one of"):
         reference_attention(q, k, v, operands="bf16")
+
+
+def _high_pairs_by_intervals(seq, causal, diag, sink, tile=128):
+    """High pairs counted per query as a union of key intervals (the sink run and
+    the diagonal band), over the unmasked pairs."""
+    high = valid = 0
+    for q in range(seq):
+        end = q + 1 if causal else seq
+        block = q // tile
+        band = range(max(0, (block - diag + 1) * tile), min(end, (block + diag) * tile if not causal else end))
+        sink_run = range(0, min(end, sink * tile))
+        high += len(set(band) | set(sink_run))
+        valid += end
+    return high / valid
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq, diag, sink", [(1000, 1, 1), (700, 2, 0), (300, 0, 1), (129, 1, 0), (2000, 3, 2)])
+def test_high_pair_fraction_counts_the_high_pairs(seq, diag, sink, causal):
+    got = high_pair_fraction(DMAConfig(diag_tiles=diag, sink_tiles=sink), seq, causal=causal)
+    assert got == pytest.approx(_high_pairs_by_intervals(seq, causal, diag, sink), rel=1e-12)

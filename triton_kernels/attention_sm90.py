@@ -29,14 +29,13 @@ This module never imports JAX.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .attention import TILE, check_extent, operands, query_blocks
+from .attention import check_extent, operands, query_blocks
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
 HALF_M = 64

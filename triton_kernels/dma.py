@@ -10,6 +10,7 @@ launches through jax-triton (the Gluon kernel through ``dma_jax.gluon_call``). T
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ def dma_attention(
     capability = device_capability(q.device)
     tiles = resolve_native(capability, low, native)
     has_lo = not all_high(q.shape[1], k.shape[1], q_offset, diag_tiles)
-    copies = dict(high=high, low=low, codes=any(tiles), fp8=not all(tiles), write_lo=has_lo)
+    copies: dict[str, Any] = dict(high=high, low=low, codes=any(tiles), fp8=not all(tiles), write_lo=has_lo)
     mean = channel_sums(k) if smooth_k else None
     q8 = dual_quantize(q, fold=softmax_fold(sm_scale), **copies)
     k8 = dual_quantize(k, mean=mean, per_tile=copies["fp8"], **copies)

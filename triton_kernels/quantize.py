@@ -602,7 +602,7 @@ class ChannelSums(NamedTuple):
     ``[n, B, H, D]`` over chunks of tokens, and the token count they divide by."""
 
     parts: torch.Tensor
-    count: int
+    tokens: int
 
 
 def channel_sums(x: torch.Tensor, chunk: int | None = None) -> ChannelSums:
@@ -672,7 +672,7 @@ def dual_quantize(
     outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=x.device) for shape, dtype in spec]
     if isinstance(mean, torch.Tensor):
         mean = ChannelSums(mean[None], 1)  # one partial, divided by 1: the mean exactly
-    shift = (x, 1, 1) if mean is None else (mean.parts, mean.parts.shape[0], mean.count)
+    shift = (x, 1, 1) if mean is None else (mean.parts, mean.parts.shape[0], mean.tokens)
     _dual_quantize_kernel[quantize_grid(x.shape, block_t, per_tile, tile_t)](
         x, *shift, float(torch.tensor(fold, dtype=torch.float32)), l, h, *outs,
         **meta, num_warps=num_warps,

