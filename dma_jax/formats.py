@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .validation import dtype_name
 
 __all__ = ["FORMATS", "Format", "Quantized", "get_format", "quantize", "dequantize", "fp8_per_token", "fp8_per_tile",
            "fp8_per_channel"]
@@ -257,40 +259,45 @@ def _quantize(x: jax.Array, f: Format) -> Quantized:
 
 
 def _describe(a) -> str:
-    return "None" if a is None else f"{np.dtype(a.dtype).name}{list(a.shape)}"
+    if a is None:
+        return "None"
+    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+        return type(a).__name__
+    return f"{dtype_name(a)}{list(a.shape)}"
+
+
+def _has_layout(q: Quantized, f: Format) -> bool:
+    codes, scales, token_scale = q
+    if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (codes, scales)):
+        return False
+    if codes.dtype != jnp.uint8 or scales.dtype != jnp.uint8 or codes.ndim < 1:
+        return False
+    d = codes.shape[-1] * (2 if f.packed else 1)
+    if d % f.block or tuple(scales.shape) != (*codes.shape[:-1], d // f.block):
+        return False
+    if f.scale == "e8m0":
+        return token_scale is None
+    return (token_scale is not None and token_scale.dtype == jnp.float32
+            and tuple(token_scale.shape) == tuple(codes.shape[:-1]))
 
 
 def _checked(q: Quantized, fmt: str) -> Format:
     """The format of ``fmt`` once ``q`` is known to have its layout (else ValueError)."""
     f = get_format(fmt)
-    codes, scales, token_scale = q
-    nvfp4 = f.scale == "e4m3_fp32"
-    ok = (all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (codes, scales))
-          and codes.dtype == jnp.uint8 and scales.dtype == jnp.uint8 and codes.ndim >= 1)
-    if ok:
-        d = codes.shape[-1] * (2 if f.packed else 1)
-        ok = d % f.block == 0 and tuple(scales.shape) == (*codes.shape[:-1], d // f.block)
-    if ok and nvfp4:
-        ok = (token_scale is not None and token_scale.dtype == jnp.float32
-              and tuple(token_scale.shape) == tuple(codes.shape[:-1]))
-    elif ok:
-        ok = token_scale is None
-    if not ok:
+    if not _has_layout(q, f):
         width = "D // 2" if f.packed else "D"
-        token = "float32 token_scale [...]" if nvfp4 else "token_scale None"
+        token = "token_scale None" if f.scale == "e8m0" else "float32 token_scale [...]"
         raise ValueError(
             f"{f.name} expects Quantized(codes uint8 [..., {width}], scales uint8 [..., D // {f.block}], {token}) "
-            f"as quantize(x, {f.name!r}) returns; got codes {_describe(codes)}, scales {_describe(scales)}, "
-            f"token_scale {_describe(token_scale)}"
+            f"as quantize(x, {f.name!r}) returns; got codes {_describe(q.codes)}, scales {_describe(q.scales)}, "
+            f"token_scale {_describe(q.token_scale)}"
         )
     return f
 
 
 def _token_scale(q: Quantized) -> jax.Array:
-    """NVFP4's per-token scale (present once ``_checked`` has passed)."""
-    if q.token_scale is None:
-        raise ValueError("nvfp4 needs the token_scale that quantize returns")
-    return q.token_scale
+    """NVFP4's per-token scale, which ``_checked`` has made sure is there."""
+    return cast(jax.Array, q.token_scale)
 
 
 def dequantize(q: Quantized, fmt: str) -> jax.Array:
