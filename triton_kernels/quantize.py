@@ -65,7 +65,8 @@ def _token_reference(amax, EMAX: tl.constexpr, NVFP4: tl.constexpr):
 
 @triton.jit
 def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4: tl.constexpr,
-              PER_TILE: tl.constexpr, HW_CVT: tl.constexpr, E4M3_ELEMENTS: tl.constexpr):
+              PER_TILE: tl.constexpr, HW_CVT: tl.constexpr, E4M3_ELEMENTS: tl.constexpr,
+              ZERO_SIGNS: tl.constexpr):
     """The E4M3 copy of one quantized [T, NB, BLOCK] tile (its bytes), its scale
     (float32 per token; unused when PER_TILE) and which tokens are finite, as
     ``dma_jax.formats.fp8_per_token`` / ``fp8_per_tile`` define them.
@@ -76,6 +77,9 @@ def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVF
     ``e · sb / 8`` (per tile times ``s2 / s2_max``) to E4M3, within 2^-4.
     ``tile_ref``: the tile's ``2^T`` (MX) or ``s2_max`` (NVFP4) when PER_TILE. ``r``
     holds the rounded elements, ``v`` the values they were rounded from.
+    ZERO_SIGNS (NVFP4): ``r`` of a non-finite block is finite and unsigned (see
+    ``_quantize_tile``), so that ``r · sb`` with its ``sb = 0`` is the copy's +0 with no
+    select per element.
     HW_CVT: E4M3 rounding by the GPU's conversion instruction, which also gives the
     bytes (``mx.e4m3_bytes``).
 
@@ -94,7 +98,7 @@ def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVF
             if NAN_ROWS_BY_CVT:
                 ratio = tl.where(token_ok, ratio, float("nan"))
             values = values * ratio[:, None, None]
-        if not NAN_ROWS_BY_CVT:
+        if not (NAN_ROWS_BY_CVT or ZERO_SIGNS):
             # A non-finite block has sb = 0 but elements of either sign: its copy is +0.
             # (Selected as floats: a select of bytes compiles to bit-mask arithmetic.)
             # With NaN rows every block left is finite.
@@ -144,6 +148,9 @@ def _quantize_tile(
     """
     NB: tl.constexpr = D // BLOCK
     E4M3: tl.constexpr = MAN_BITS == 3 and EMIN == -6  # MXFP8's default elements
+    # The NVFP4 FP8 copy alone zeroes its non-finite blocks through the signs (where
+    # the GPU's conversion does not already make their rows NaN: _fp8_copy).
+    ZERO_SIGNS: tl.constexpr = NVFP4 and not WRITE_CODES and not (PER_TILE and HW_CVT)
     xb = tl.reshape(x, (BLOCK_T, NB, BLOCK))
     amax = abs_max(xb, 2)  # [T, NB]
     if NVFP4:
@@ -172,6 +179,13 @@ def _quantize_tile(
             # nothing). The FP8 copy zeroes such blocks by itself.
             v = tl.where(usable[:, :, None], v, 0.0)
             sign = tl.where(xb == xb, xb, 0.0)
+        if ZERO_SIGNS:
+            # A non-finite block's elements take no sign, so that its copy, r · sb with
+            # sb = 0, is +0 (round_e2m1 clamps a NaN or Inf v to 6). One mask per block
+            # folds into round_e2m1's sign LOP3, where a select of the copy's values
+            # cost an instruction per element.
+            keep = tl.where(finite, 0x80000000, 0).to(tl.uint32)
+            sign = (xb.to(tl.uint32, bitcast=True) & keep[:, :, None]).to(tl.float32, bitcast=True)
         scale_code = tl.where(finite, element_code(sb, 4, 3, -6), 0x7F)
         block_exp = scale_code  # unused for NVFP4
         if WRITE_CODES:
@@ -193,7 +207,7 @@ def _quantize_tile(
         r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
     if WRITE_FP8:
         f8, token, token_ok = _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE, HW_CVT,
-                                        E4M3)
+                                        E4M3, ZERO_SIGNS)
         f8 = tl.reshape(f8, (BLOCK_T, D))
         if PER_TILE:
             if not HW_CVT:  # a non-finite token's row is E4M3 NaN (see _fp8_copy)
