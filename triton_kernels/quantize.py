@@ -66,7 +66,7 @@ def _token_reference(amax, EMAX: tl.constexpr, NVFP4: tl.constexpr):
 @triton.jit
 def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4: tl.constexpr,
               PER_TILE: tl.constexpr, HW_CVT: tl.constexpr, E4M3_ELEMENTS: tl.constexpr,
-              ZERO_SIGNS: tl.constexpr):
+              ZERO_SIGNS: tl.constexpr, ZERO_BYTES: tl.constexpr):
     """The E4M3 copy of one quantized [T, NB, BLOCK] tile (its bytes), its scale
     (float32 per token; unused when PER_TILE) and which tokens are finite, as
     ``dma_jax.formats.fp8_per_token`` / ``fp8_per_tile`` define them.
@@ -79,7 +79,8 @@ def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVF
     holds the rounded elements, ``v`` the values they were rounded from.
     ZERO_SIGNS (NVFP4): ``r`` of a non-finite block is finite and unsigned (see
     ``_quantize_tile``), so that ``r · sb`` with its ``sb = 0`` is the copy's +0 with no
-    select per element.
+    select per element. ZERO_BYTES (E4M3 elements on a GPU, per token): ``v`` of a
+    non-finite block is not zeroed, its bytes are.
     HW_CVT: E4M3 rounding by the GPU's conversion instruction, which also gives the
     bytes (``mx.e4m3_bytes``).
 
@@ -124,6 +125,14 @@ def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVF
             # 2^shift underflows to 0, E4M3 rounds to a signed zero either way.
             y = v.to(tl.float8e4nv).to(tl.float16) * factor.to(tl.float16)[:, :, None]
             codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            if ZERO_BYTES:
+                # A non-finite block's copy is +0. Its bytes (NaN or ±448 from the
+                # unmasked v) are cleared after the conversion, four per `and`: a select
+                # of the float values cost one instruction per element, a Triton `&` of
+                # bytes too.
+                keep = tl.broadcast_to(tl.where(finite, 0xFF, 0).to(tl.uint8)[:, :, None], codes.shape)
+                codes = tl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [codes, keep],
+                                                  dtype=tl.uint8, is_pure=True, pack=4)
         else:
             codes = e4m3_bytes_on_grid_or_small(r * factor[:, :, None], HW_CVT)
         token = pow2(t)
@@ -151,6 +160,9 @@ def _quantize_tile(
     # The NVFP4 FP8 copy alone zeroes its non-finite blocks through the signs (where
     # the GPU's conversion does not already make their rows NaN: _fp8_copy).
     ZERO_SIGNS: tl.constexpr = NVFP4 and not WRITE_CODES and not (PER_TILE and HW_CVT)
+    # Q's MXFP8 FP8 copy on a GPU clears them in its bytes instead (_fp8_copy); K's
+    # (per tile) needs their zeros for its NaN rows.
+    ZERO_BYTES: tl.constexpr = E4M3 and HW_CVT and not WRITE_CODES and not PER_TILE
     xb = tl.reshape(x, (BLOCK_T, NB, BLOCK))
     amax = abs_max(xb, 2)  # [T, NB]
     if NVFP4:
@@ -194,7 +206,9 @@ def _quantize_tile(
         finite = (amax == amax) & (amax < float("inf"))
         block_exp = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
         # Multiply by 2^-e: -e lies in [-125, 127], so the factor is a normal float.
-        v = tl.where(finite[:, :, None], xb * pow2(-block_exp)[:, :, None], 0.0)
+        v = xb * pow2(-block_exp)[:, :, None]
+        if not ZERO_BYTES:
+            v = tl.where(finite[:, :, None], v, 0.0)
         scale_code = tl.where(finite, block_exp + 127, 255)
         sb = amax  # unused for MX
         s2 = amax
@@ -207,7 +221,7 @@ def _quantize_tile(
         r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
     if WRITE_FP8:
         f8, token, token_ok = _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE, HW_CVT,
-                                        E4M3, ZERO_SIGNS)
+                                        E4M3, ZERO_SIGNS, ZERO_BYTES)
         f8 = tl.reshape(f8, (BLOCK_T, D))
         if PER_TILE:
             if not HW_CVT:  # a non-finite token's row is E4M3 NaN (see _fp8_copy)
