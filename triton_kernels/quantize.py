@@ -160,9 +160,11 @@ def _quantize_tile(
     # The NVFP4 FP8 copy alone zeroes its non-finite blocks through the signs (where
     # the GPU's conversion does not already make their rows NaN: _fp8_copy).
     ZERO_SIGNS: tl.constexpr = NVFP4 and not WRITE_CODES and not (PER_TILE and HW_CVT)
-    # Q's MXFP8 FP8 copy on a GPU clears them in its bytes instead (_fp8_copy); K's
-    # (per tile) needs their zeros for its NaN rows.
-    ZERO_BYTES: tl.constexpr = E4M3 and HW_CVT and not WRITE_CODES and not PER_TILE
+    # The MXFP8 FP8 copy alone, on a GPU, needs no zeroed values either (_fp8_copy):
+    # Q's clears those blocks in its bytes, K's (per tile) makes their tokens' whole
+    # rows NaN by a NaN factor, whatever the values.
+    RAW_V: tl.constexpr = E4M3 and HW_CVT and not WRITE_CODES
+    ZERO_BYTES: tl.constexpr = RAW_V and not PER_TILE
     xb = tl.reshape(x, (BLOCK_T, NB, BLOCK))
     amax = abs_max(xb, 2)  # [T, NB]
     if NVFP4:
@@ -207,7 +209,7 @@ def _quantize_tile(
         block_exp = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
         # Multiply by 2^-e: -e lies in [-125, 127], so the factor is a normal float.
         v = xb * pow2(-block_exp)[:, :, None]
-        if not ZERO_BYTES:
+        if not RAW_V:
             v = tl.where(finite[:, :, None], v, 0.0)
         scale_code = tl.where(finite, block_exp + 127, 255)
         sb = amax  # unused for MX
