@@ -284,21 +284,24 @@ def _channel_row(part_ptr, n_parts, count, H, b, h, D: tl.constexpr, SMOOTH: tl.
 
 
 @triton.jit
-def _shifted(x_ptr, mean, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
-    """Tokens ``t`` of x[b, :, h] as float32 [T, D] (zeros past L), minus K's channel
-    mean ``mean`` (smooth-K; ``_channel_row``)."""
+def _shifted(x_ptr, mean, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr, PAST_L: tl.constexpr):
+    """Tokens ``t`` of x[b, :, h] as float32 [T, D], minus K's channel mean ``mean``
+    (smooth-K; ``_channel_row``). Tokens past L are zeros with PAST_L, which a tile's
+    largest scale needs (they must not count in it); elsewhere their rows are never
+    stored and hold whatever the subtraction gives, a select per element saved."""
     x = _tokens(x_ptr, L, H, t, b, h, D, L)
     if SMOOTH:
-        # Tokens past L stay zero: they must not count in a tile's largest scale.
-        x = tl.where((t < L)[:, None], x - mean, 0.0)
+        x = x - mean
+        if PAST_L:
+            x = tl.where((t < L)[:, None], x, 0.0)
     return x
 
 
 @triton.jit
 def _prepared(x_ptr, mean, fold, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr, HW: tl.constexpr,
-              FTZ_FOLD: tl.constexpr):
+              FTZ_FOLD: tl.constexpr, PAST_L: tl.constexpr):
     """``_shifted`` times ``fold`` (Q's softmax scale), subnormals flushed: what is quantized."""
-    return mul_flushed(_shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH), fold, HW, FTZ_FOLD)
+    return mul_flushed(_shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH, PAST_L), fold, HW, FTZ_FOLD)
 
 
 @triton.jit
@@ -319,7 +322,7 @@ def _tile_references(x_ptr, mean, fold, L, H, tile, b, h, D: tl.constexpr, BLOCK
     widest = tl.zeros((BLOCK_T, D), tl.float32)
     for c in range(0, _SCALE_TILE, BLOCK_T):
         t = tile * _SCALE_TILE + c + tl.arange(0, BLOCK_T)
-        widest = tl.maximum(widest, tl.abs(_shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH)),
+        widest = tl.maximum(widest, tl.abs(_shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH, True)),
                             propagate_nan=tl.PropagateNan.ALL)
     amax = flush_subnormals(nan_max(nan_max(widest, 1), 0) * tl.abs(fold))
     hi_ref = _token_reference(amax, HI_EMAX, False)
@@ -329,7 +332,7 @@ def _tile_references(x_ptr, mean, fold, L, H, tile, b, h, D: tl.constexpr, BLOCK
         lo_ref = tl.full((), 0.0, tl.float32)
         for c in range(0, _SCALE_TILE, BLOCK_T):
             t = tile * _SCALE_TILE + c + tl.arange(0, BLOCK_T)
-            token_amax = abs_max(_prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, HW_CVT, FTZ_FOLD), 1)
+            token_amax = abs_max(_prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, HW_CVT, FTZ_FOLD, True), 1)
             hi_ref = tl.maximum(hi_ref, tl.max(_token_reference(token_amax, HI_EMAX, False)))
             lo_ref = tl.maximum(lo_ref, tl.max(_token_reference(token_amax, LO_EMAX, LO_NVFP4)))
     return hi_ref, lo_ref
@@ -380,7 +383,7 @@ def _dual_quantize_kernel(
         mask = t < L
         # Flattened token index in [B, L, H] order: outputs are [B, L, H, ...].
         rows = (b * L + t) * H + h
-        x = _prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, HW_CVT, FTZ_FOLD)
+        x = _prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, HW_CVT, FTZ_FOLD, False)
         _quantize_tile(x, rows, cols, mask, hi_ref, hi_codes, hi_scales, lo_token, hi_f8, hi_ts,
                        HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D, WRITE_CODES, WRITE_FP8,
                        PER_TILE, HW_CVT)
