@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +49,19 @@ FORMATS = {
 
 
 @triton.jit
+def _nvfp4_s2(amax):
+    """``flush_subnormals(div_rn(amax, 2688))`` for a token amax (>= 0, Inf or NaN): the
+    NVFP4 token scale, before a zero token's 1. The quotient is a normal float exactly
+    from amax = 2688 · 2^-126 on (2^-126 there; just below, the tie with the largest
+    subnormal rounds up to it, to even, and no float amax lies in between), where
+    ``div_by`` with the rounded reciprocal of 2688 gives it correctly rounded in three
+    instructions instead of a full division; below, the division's result is flushed to
+    0. Inf and NaN keep the division's results (Inf, NaN)."""
+    q = div_by(amax, 2688.0, _RCP_2688)
+    return tl.where(amax >= _S2_NORMAL_FROM, tl.where(amax < float("inf"), q, amax), tl.where(amax == amax, 0.0, amax))
+
+
+@triton.jit
 def _token_reference(amax, EMAX: tl.constexpr, NVFP4: tl.constexpr):
     """Per token, from its amax (``abs_max`` over head_dim): the scale that
     ``_fp8_copy`` would give the token alone (MX: ``2^T``; NVFP4: the raw ``s2``, 0
@@ -56,7 +70,7 @@ def _token_reference(amax, EMAX: tl.constexpr, NVFP4: tl.constexpr):
     the exponent of the token's largest element."""
     finite = amax < float("inf")  # False for Inf and NaN
     if NVFP4:
-        ref = flush_subnormals(tl.math.div_rn(tl.where(finite, amax, 0.0), tl.full(amax.shape, 2688.0, tl.float32)))
+        ref = _nvfp4_s2(tl.where(finite, amax, 0.0))
     else:
         top = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
         ref = pow2(tl.maximum(top + EMAX - 8, -126))
@@ -170,9 +184,8 @@ def _quantize_tile(
     if NVFP4:
         # NVFP4 per-token scale: the token amax maps onto 6 (E2M1 max) x 448 (E4M3 max).
         # (The token's amax is the largest of its block amaxes.)
-        s2 = tl.math.div_rn(nan_max(amax, 1), tl.full((BLOCK_T,), 2688.0, tl.float32))
         # A subnormal s2 counts as an all-zero token (as in dma_jax.formats).
-        s2 = flush_subnormals(s2)
+        s2 = _nvfp4_s2(nan_max(amax, 1))
         s2 = tl.where(s2 == 0, 1.0, s2)
         sb_f = tl.math.div_rn(amax, 6.0 * s2[:, None])
         finite = (sb_f == sb_f) & (tl.abs(sb_f) < float("inf"))
@@ -500,6 +513,9 @@ QUANTIZE_WARPS = 4
 MEAN_CHUNKS = (256, 128, 64)
 MEAN_MIN_PROGRAMS = 64
 MEAN_BLOCK_T = 64
+# _nvfp4_s2: fl(1/2688), and the smallest token amax whose s2 is a normal float.
+_RCP_2688 = tl.constexpr(float(np.float32(1.0) / np.float32(2688.0)))
+_S2_NORMAL_FROM = tl.constexpr(2688.0 * 2.0**-126)
 # Partials that _channel_total requests at once.
 _SUM_STEP = tl.constexpr(8)
 # Tokens per program of K's per-tile FP8 copies, largest first. Every program passes
