@@ -23,9 +23,9 @@ from dma_jax.formats import fp8_per_channel, fp8_per_tile, fp8_per_token
 from triton_kernels.attention import interpreting
 from triton_kernels.mx import (div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small, ftz_multiplier, mul_flushed, round_e2m1,
                                round_e4m3)
-from triton_kernels.quantize import (FORMATS, K_TILE_MIN_PROGRAMS, MEAN_MIN_PROGRAMS, channel_mean, channel_sums,
-                                     dual_quantize, fp8_transpose, k_tile_tokens, mean_chunk, mean_launches,
-                                     quantize_grid, quantize_meta)
+from triton_kernels.quantize import (FORMATS, K_TILE_MIN_PROGRAMS, MEAN_MIN_PROGRAMS, _nvfp4_s2, channel_mean,
+                                     channel_sums, dual_quantize, fp8_transpose, k_tile_tokens, mean_chunk,
+                                     mean_launches, quantize_grid, quantize_meta)
 
 from conftest import HAS_CUDA, TRITON_39, compiler_env
 
@@ -411,6 +411,34 @@ def test_div_by_equals_correctly_rounded_division():
     normal = np.abs(want) >= np.finfo(np.float32).tiny
     np.testing.assert_array_equal(got[normal].view(np.uint32), want[normal].view(np.uint32))
     assert (~normal).sum() > 2 and (np.abs(got[~normal]) <= np.finfo(np.float32).tiny).all()
+
+
+@triton.jit
+def _nvfp4_s2_kernel(a_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _nvfp4_s2(tl.load(a_ptr + offs)))
+
+
+def test_nvfp4_s2_equals_flushed_division():
+    """The NVFP4 token scale equals numpy's IEEE amax / 2688 with subnormal quotients
+    flushed to +0, bit for bit: across float32's range, on and around the first amax
+    with a normal quotient (2688 * 2^-126) and at zero, subnormals, the largest float,
+    Inf and NaN."""
+    rng = np.random.default_rng(21)
+    first = np.float32(2688 * 2.0**-126)
+    edges = [first, np.nextafter(first, np.float32(0)), np.nextafter(first, np.float32(np.inf)),
+             np.float32(0), np.float32(1e-45), np.float32(1e-39), np.finfo(np.float32).max, np.inf, np.nan]
+    near = first * (1 + rng.uniform(-2.0**-10, 2.0**-10, 1 << 12)).astype(np.float32)
+    wide = (np.exp2(rng.uniform(-149, 128, 1 << 16)) * rng.uniform(1, 2, 1 << 16)).astype(np.float32)
+    amax = np.concatenate([np.asarray(edges, np.float32), near.astype(np.float32), wide])
+    size = -(-amax.size // 4096) * 4096
+    amax = np.pad(amax, (0, size - amax.size), constant_values=1.0)
+    out = torch.empty(size, dtype=torch.float32, device=DEVICE)
+    _nvfp4_s2_kernel[(size // 4096,)](torch.from_numpy(amax).to(DEVICE), out, BLOCK=4096)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = amax / np.float32(2688)
+    want = np.where(np.abs(want) < np.finfo(np.float32).tiny, np.float32(0), want).astype(np.float32)
+    np.testing.assert_array_equal(out.cpu().numpy().view(np.uint32), want.view(np.uint32))
 
 
 def test_single_token():

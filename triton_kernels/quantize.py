@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +49,19 @@ FORMATS = {
 
 
 @triton.jit
+def _nvfp4_s2(amax):
+    """``flush_subnormals(div_rn(amax, 2688))`` for a token amax (>= 0, Inf or NaN): the
+    NVFP4 token scale, before a zero token's 1. The quotient is a normal float exactly
+    from amax = 2688 · 2^-126 on (2^-126 there; just below, the tie with the largest
+    subnormal rounds up to it, to even, and no float amax lies in between), where
+    ``div_by`` with the rounded reciprocal of 2688 gives it correctly rounded in three
+    instructions instead of a full division; below, the division's result is flushed to
+    0. Inf and NaN keep the division's results (Inf, NaN)."""
+    q = div_by(amax, 2688.0, _RCP_2688)
+    return tl.where(amax >= _S2_NORMAL_FROM, tl.where(amax < float("inf"), q, amax), tl.where(amax == amax, 0.0, amax))
+
+
+@triton.jit
 def _token_reference(amax, EMAX: tl.constexpr, NVFP4: tl.constexpr):
     """Per token, from its amax (``abs_max`` over head_dim): the scale that
     ``_fp8_copy`` would give the token alone (MX: ``2^T``; NVFP4: the raw ``s2``, 0
@@ -56,7 +70,7 @@ def _token_reference(amax, EMAX: tl.constexpr, NVFP4: tl.constexpr):
     the exponent of the token's largest element."""
     finite = amax < float("inf")  # False for Inf and NaN
     if NVFP4:
-        ref = flush_subnormals(tl.math.div_rn(tl.where(finite, amax, 0.0), tl.full(amax.shape, 2688.0, tl.float32)))
+        ref = _nvfp4_s2(tl.where(finite, amax, 0.0))
     else:
         top = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
         ref = pow2(tl.maximum(top + EMAX - 8, -126))
@@ -65,7 +79,8 @@ def _token_reference(amax, EMAX: tl.constexpr, NVFP4: tl.constexpr):
 
 @triton.jit
 def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVFP4: tl.constexpr,
-              PER_TILE: tl.constexpr, HW_CVT: tl.constexpr, E4M3_ELEMENTS: tl.constexpr):
+              PER_TILE: tl.constexpr, HW_CVT: tl.constexpr, E4M3_ELEMENTS: tl.constexpr,
+              ZERO_SIGNS: tl.constexpr, ZERO_BYTES: tl.constexpr):
     """The E4M3 copy of one quantized [T, NB, BLOCK] tile (its bytes), its scale
     (float32 per token; unused when PER_TILE) and which tokens are finite, as
     ``dma_jax.formats.fp8_per_token`` / ``fp8_per_tile`` define them.
@@ -76,6 +91,10 @@ def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVF
     ``e · sb / 8`` (per tile times ``s2 / s2_max``) to E4M3, within 2^-4.
     ``tile_ref``: the tile's ``2^T`` (MX) or ``s2_max`` (NVFP4) when PER_TILE. ``r``
     holds the rounded elements, ``v`` the values they were rounded from.
+    ZERO_SIGNS (NVFP4): ``r`` of a non-finite block is finite and unsigned (see
+    ``_quantize_tile``), so that ``r · sb`` with its ``sb = 0`` is the copy's +0 with no
+    select per element. ZERO_BYTES (E4M3 elements on a GPU, per token): ``v`` of a
+    non-finite block is not zeroed, its bytes are.
     HW_CVT: E4M3 rounding by the GPU's conversion instruction, which also gives the
     bytes (``mx.e4m3_bytes``).
 
@@ -94,7 +113,7 @@ def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVF
             if NAN_ROWS_BY_CVT:
                 ratio = tl.where(token_ok, ratio, float("nan"))
             values = values * ratio[:, None, None]
-        if not NAN_ROWS_BY_CVT:
+        if not (NAN_ROWS_BY_CVT or ZERO_SIGNS):
             # A non-finite block has sb = 0 but elements of either sign: its copy is +0.
             # (Selected as floats: a select of bytes compiles to bit-mask arithmetic.)
             # With NaN rows every block left is finite.
@@ -120,6 +139,14 @@ def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVF
             # 2^shift underflows to 0, E4M3 rounds to a signed zero either way.
             y = v.to(tl.float8e4nv).to(tl.float16) * factor.to(tl.float16)[:, :, None]
             codes = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            if ZERO_BYTES:
+                # A non-finite block's copy is +0. Its bytes (NaN or ±448 from the
+                # unmasked v) are cleared after the conversion, four per `and`: a select
+                # of the float values cost one instruction per element, a Triton `&` of
+                # bytes too.
+                keep = tl.broadcast_to(tl.where(finite, 0xFF, 0).to(tl.uint8)[:, :, None], codes.shape)
+                codes = tl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [codes, keep],
+                                                  dtype=tl.uint8, is_pure=True, pack=4)
         else:
             codes = e4m3_bytes_on_grid_or_small(r * factor[:, :, None], HW_CVT)
         token = pow2(t)
@@ -144,14 +171,21 @@ def _quantize_tile(
     """
     NB: tl.constexpr = D // BLOCK
     E4M3: tl.constexpr = MAN_BITS == 3 and EMIN == -6  # MXFP8's default elements
+    # The NVFP4 FP8 copy alone zeroes its non-finite blocks through the signs (where
+    # the GPU's conversion does not already make their rows NaN: _fp8_copy).
+    ZERO_SIGNS: tl.constexpr = NVFP4 and not WRITE_CODES and not (PER_TILE and HW_CVT)
+    # The MXFP8 FP8 copy alone, on a GPU, needs no zeroed values either (_fp8_copy):
+    # Q's clears those blocks in its bytes, K's (per tile) makes their tokens' whole
+    # rows NaN by a NaN factor, whatever the values.
+    RAW_V: tl.constexpr = E4M3 and HW_CVT and not WRITE_CODES
+    ZERO_BYTES: tl.constexpr = RAW_V and not PER_TILE
     xb = tl.reshape(x, (BLOCK_T, NB, BLOCK))
     amax = abs_max(xb, 2)  # [T, NB]
     if NVFP4:
         # NVFP4 per-token scale: the token amax maps onto 6 (E2M1 max) x 448 (E4M3 max).
         # (The token's amax is the largest of its block amaxes.)
-        s2 = tl.math.div_rn(nan_max(amax, 1), tl.full((BLOCK_T,), 2688.0, tl.float32))
         # A subnormal s2 counts as an all-zero token (as in dma_jax.formats).
-        s2 = flush_subnormals(s2)
+        s2 = _nvfp4_s2(nan_max(amax, 1))
         s2 = tl.where(s2 == 0, 1.0, s2)
         sb_f = tl.math.div_rn(amax, 6.0 * s2[:, None])
         finite = (sb_f == sb_f) & (tl.abs(sb_f) < float("inf"))
@@ -172,6 +206,13 @@ def _quantize_tile(
             # nothing). The FP8 copy zeroes such blocks by itself.
             v = tl.where(usable[:, :, None], v, 0.0)
             sign = tl.where(xb == xb, xb, 0.0)
+        if ZERO_SIGNS:
+            # A non-finite block's elements take no sign, so that its copy, r · sb with
+            # sb = 0, is +0 (round_e2m1 clamps a NaN or Inf v to 6). One mask per block
+            # folds into round_e2m1's sign LOP3, where a select of the copy's values
+            # cost an instruction per element.
+            keep = tl.where(finite, 0x80000000, 0).to(tl.uint32)
+            sign = (xb.to(tl.uint32, bitcast=True) & keep[:, :, None]).to(tl.float32, bitcast=True)
         scale_code = tl.where(finite, element_code(sb, 4, 3, -6), 0x7F)
         block_exp = scale_code  # unused for NVFP4
         if WRITE_CODES:
@@ -180,7 +221,9 @@ def _quantize_tile(
         finite = (amax == amax) & (amax < float("inf"))
         block_exp = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
         # Multiply by 2^-e: -e lies in [-125, 127], so the factor is a normal float.
-        v = tl.where(finite[:, :, None], xb * pow2(-block_exp)[:, :, None], 0.0)
+        v = xb * pow2(-block_exp)[:, :, None]
+        if not RAW_V:
+            v = tl.where(finite[:, :, None], v, 0.0)
         scale_code = tl.where(finite, block_exp + 127, 255)
         sb = amax  # unused for MX
         s2 = amax
@@ -193,7 +236,7 @@ def _quantize_tile(
         r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
     if WRITE_FP8:
         f8, token, token_ok = _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE, HW_CVT,
-                                        E4M3)
+                                        E4M3, ZERO_SIGNS, ZERO_BYTES)
         f8 = tl.reshape(f8, (BLOCK_T, D))
         if PER_TILE:
             if not HW_CVT:  # a non-finite token's row is E4M3 NaN (see _fp8_copy)
@@ -254,21 +297,24 @@ def _channel_row(part_ptr, n_parts, count, H, b, h, D: tl.constexpr, SMOOTH: tl.
 
 
 @triton.jit
-def _shifted(x_ptr, mean, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
-    """Tokens ``t`` of x[b, :, h] as float32 [T, D] (zeros past L), minus K's channel
-    mean ``mean`` (smooth-K; ``_channel_row``)."""
+def _shifted(x_ptr, mean, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr, PAST_L: tl.constexpr):
+    """Tokens ``t`` of x[b, :, h] as float32 [T, D], minus K's channel mean ``mean``
+    (smooth-K; ``_channel_row``). Tokens past L are zeros with PAST_L, which a tile's
+    largest scale needs (they must not count in it); elsewhere their rows are never
+    stored and hold whatever the subtraction gives, a select per element saved."""
     x = _tokens(x_ptr, L, H, t, b, h, D, L)
     if SMOOTH:
-        # Tokens past L stay zero: they must not count in a tile's largest scale.
-        x = tl.where((t < L)[:, None], x - mean, 0.0)
+        x = x - mean
+        if PAST_L:
+            x = tl.where((t < L)[:, None], x, 0.0)
     return x
 
 
 @triton.jit
 def _prepared(x_ptr, mean, fold, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr, HW: tl.constexpr,
-              FTZ_FOLD: tl.constexpr):
+              FTZ_FOLD: tl.constexpr, PAST_L: tl.constexpr):
     """``_shifted`` times ``fold`` (Q's softmax scale), subnormals flushed: what is quantized."""
-    return mul_flushed(_shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH), fold, HW, FTZ_FOLD)
+    return mul_flushed(_shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH, PAST_L), fold, HW, FTZ_FOLD)
 
 
 @triton.jit
@@ -289,7 +335,7 @@ def _tile_references(x_ptr, mean, fold, L, H, tile, b, h, D: tl.constexpr, BLOCK
     widest = tl.zeros((BLOCK_T, D), tl.float32)
     for c in range(0, _SCALE_TILE, BLOCK_T):
         t = tile * _SCALE_TILE + c + tl.arange(0, BLOCK_T)
-        widest = tl.maximum(widest, tl.abs(_shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH)),
+        widest = tl.maximum(widest, tl.abs(_shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH, True)),
                             propagate_nan=tl.PropagateNan.ALL)
     amax = flush_subnormals(nan_max(nan_max(widest, 1), 0) * tl.abs(fold))
     hi_ref = _token_reference(amax, HI_EMAX, False)
@@ -299,7 +345,7 @@ def _tile_references(x_ptr, mean, fold, L, H, tile, b, h, D: tl.constexpr, BLOCK
         lo_ref = tl.full((), 0.0, tl.float32)
         for c in range(0, _SCALE_TILE, BLOCK_T):
             t = tile * _SCALE_TILE + c + tl.arange(0, BLOCK_T)
-            token_amax = abs_max(_prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, HW_CVT, FTZ_FOLD), 1)
+            token_amax = abs_max(_prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, HW_CVT, FTZ_FOLD, True), 1)
             hi_ref = tl.maximum(hi_ref, tl.max(_token_reference(token_amax, HI_EMAX, False)))
             lo_ref = tl.maximum(lo_ref, tl.max(_token_reference(token_amax, LO_EMAX, LO_NVFP4)))
     return hi_ref, lo_ref
@@ -350,7 +396,7 @@ def _dual_quantize_kernel(
         mask = t < L
         # Flattened token index in [B, L, H] order: outputs are [B, L, H, ...].
         rows = (b * L + t) * H + h
-        x = _prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, HW_CVT, FTZ_FOLD)
+        x = _prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, HW_CVT, FTZ_FOLD, False)
         _quantize_tile(x, rows, cols, mask, hi_ref, hi_codes, hi_scales, lo_token, hi_f8, hi_ts,
                        HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D, WRITE_CODES, WRITE_FP8,
                        PER_TILE, HW_CVT)
@@ -467,6 +513,9 @@ QUANTIZE_WARPS = 4
 MEAN_CHUNKS = (256, 128, 64)
 MEAN_MIN_PROGRAMS = 64
 MEAN_BLOCK_T = 64
+# _nvfp4_s2: fl(1/2688), and the smallest token amax whose s2 is a normal float.
+_RCP_2688 = tl.constexpr(float(np.float32(1.0) / np.float32(2688.0)))
+_S2_NORMAL_FROM = tl.constexpr(2688.0 * 2.0**-126)
 # Partials that _channel_total requests at once.
 _SUM_STEP = tl.constexpr(8)
 # Tokens per program of K's per-tile FP8 copies, largest first. Every program passes
