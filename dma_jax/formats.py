@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .validation import dtype_name
+from .validation import dtype_name, is_array
 
 __all__ = ["FORMATS", "Format", "Quantized", "get_format", "quantize", "dequantize", "fp8_per_token", "fp8_per_tile",
            "fp8_per_channel"]
@@ -261,14 +261,14 @@ def _quantize(x: jax.Array, f: Format) -> Quantized:
 def _describe(a) -> str:
     if a is None:
         return "None"
-    if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+    if not is_array(a):
         return type(a).__name__
     return f"{dtype_name(a)}{list(a.shape)}"
 
 
 def _has_layout(q: Quantized, f: Format) -> bool:
     codes, scales, token_scale = q
-    if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (codes, scales)):
+    if not (is_array(codes) and is_array(scales)):
         return False
     if codes.dtype != jnp.uint8 or scales.dtype != jnp.uint8 or codes.ndim < 1:
         return False

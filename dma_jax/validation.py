@@ -12,6 +12,11 @@ SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 SUPPORTED_HEAD_DIMS = (64, 128)
 
 
+def is_array(x: Any) -> bool:
+    """Whether ``x`` has the ``shape`` and ``dtype`` of a numpy, JAX or torch array."""
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
 def dtype_name(x: Any) -> str:
     """'bfloat16', 'float16', ... for numpy/JAX and torch arrays alike."""
     dtype = x.dtype
@@ -35,7 +40,7 @@ def check_attention_inputs(
     ``k, v: [batch, kv_len, kv_heads, head_dim]`` of one floating dtype.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        if not is_array(x):
             raise TypeError(f"{name} must be an array; got {type(x).__name__}")
         if len(x.shape) != 4:
             raise ValueError(
