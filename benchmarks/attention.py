@@ -4,8 +4,8 @@ In one run on one GPU, on the same bf16 inputs (batch 1, 32 query heads, 8 kv
 heads): DMA's default config and the Hopper preset (``DMAConfig.hopper_fast()``)
 through ``jax.jit(dma_jax.attention)`` (their time includes the smooth-K mean
 and the quantization; those launches are also timed alone, through JAX as the call
-makes them: ``dma_jax.kernels.quantize_operands``), our own bf16 path (the same kernel with Q·Kᵀ on
-the bf16 inputs, ``dma_jax.kernels.triton_input_attention``), cuDNN and XLA through
+makes them: the launch plan's launches before its attention launch), our own bf16 path (the same
+kernel with Q·Kᵀ on the bf16 inputs, ``dma_jax.executor.triton_input_attention``), cuDNN and XLA through
 ``jax.nn.dot_product_attention``, cuDNN FP8 through JAX's private
 ``fused_attention_stablehlo`` API (FP8 inputs prepared outside the timing, FP8
 output; K/V heads repeated to 32 because it has no GQA), and torch SDPA.
@@ -37,7 +37,8 @@ import triton
 import dma_jax
 from device_name import gpu_tag
 from dma_jax import DMAConfig, bridge
-from dma_jax.kernels import quantize_operands, triton_input_attention
+from dma_jax import executor
+from dma_jax.executor import triton_input_attention
 from dma_jax.metrics import error_metrics
 from dma_jax.synthetic import llm_like_qkv
 
@@ -93,7 +94,12 @@ def ours_bf16_fn(causal, sm_scale):
 def quantize_fn(cfg: DMAConfig):
     """The launches of a DMA call before its attention kernel (smooth-K mean, Q and K
     copies, V's FP8 transpose), through JAX as the call makes them."""
-    return jax.jit(lambda q, k, v: quantize_operands(q, k, v, config=cfg, q_offset=k.shape[1] - q.shape[1]))
+    def quantize(q, k, v):
+        plan = executor.attention_plan(q, k, v, causal=True, config=cfg, q_offset=k.shape[1] - q.shape[1])
+        env = executor.run(plan.launches[:-1], {"q": q, "k": k, "v": v})
+        return {name: x for name, x in env.items() if name not in ("q", "k", "v")}
+
+    return jax.jit(quantize)
 
 
 def cudnn_fp8_setup(q, k, v):

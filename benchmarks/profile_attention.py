@@ -3,15 +3,14 @@
 GPU only. At B=1, S=8192, 32 query and 8 kv heads, D=128, bf16, for the DMA
 default config and the Hopper preset, causal and not, it times
 
-* each launch of a call alone (torch launchers, ``triton.testing.do_bench``):
-  the smooth-K partial sums, the quantization of Q and of K (which forms the
-  mean from them), V's FP8 transpose (the preset), and the attention kernel on
-  inputs prepared beforehand;
+* each launch of the call's plan alone (the torch executor, ``triton.testing.do_bench``)
+  on the outputs of the launches before it: the smooth-K partial sums, the
+  quantization of Q and of K (which forms the mean from them), V's FP8 transpose (the
+  preset), and the attention kernel;
 * the whole call through torch and through ``jax.jit`` (back-to-back calls), and
-  through JAX its quantize launches alone (``dma_jax.kernels.quantize_operands``) and
-  its attention launch alone on their outputs (``attend_operands``), back to back.
-  ``do_bench`` times one launch at a time after an L2 flush, which reads about 7%
-  faster than back-to-back runs of the same kernel (NOTES.md, session 8);
+  through JAX the plan's quantize launches alone and its attention launch alone on
+  their outputs, back to back. ``do_bench`` times one launch at a time after an L2
+  flush, which reads about 7% faster than back-to-back runs of the same kernel;
 
 and reports the attention kernel's registers per thread, spilled bytes and
 shared memory as Triton compiled it (torch launch; for the Gluon kernel, which DMA
@@ -45,12 +44,10 @@ import triton
 
 from device_name import gpu_tag
 from attention import CONFIGS, KV_HEADS, Q_HEADS, copies_needed, dma_fn, quantize_fn, time_jax
-from dma_jax import bridge
-from dma_jax.kernels import attend_operands
+from dma_jax import bridge, executor
 from triton_kernels import attention as attn
 from triton_kernels import attention_sm90 as attn90
-from triton_kernels.dma import attend, dma_attention, softmax_fold
-from triton_kernels.quantize import channel_sums, dual_quantize, fp8_transpose
+from triton_kernels import torch_executor
 
 
 def compiled_kernels() -> dict[int, object]:
@@ -70,34 +67,33 @@ def resources(kernel) -> dict:
             "shared_bytes": getattr(kernel.metadata, "shared", None)}
 
 
+def plan_of(cfg, causal, q, k, v):
+    return torch_executor.attention_plan(q, k, v, causal=causal, q_offset=0, **cfg.kernel_options(q.shape[-1]))
+
+
 def launches(cfg, causal, q, k, v):
-    """Each launch of one DMA call, as torch closures, and the attention on prepared inputs."""
-    d = q.shape[-1]
-    has_lo = not attn.all_high(q.shape[1], k.shape[1], 0, cfg.diag_tiles)
-    copies = dict(codes=False, fp8=True, write_lo=has_lo)
-    mean = channel_sums(k)
-    q8 = dual_quantize(q, fold=softmax_fold(d**-0.5), **copies)
-    k8 = dual_quantize(k, mean=mean, per_tile=True, **copies)
-    vt, v_scale = fp8_transpose(v) if cfg.pv == "fp8" else (None, None)
-    stages = {
-        "smooth_k_sums": lambda: channel_sums(k),
-        "quantize_q": lambda: dual_quantize(q, fold=softmax_fold(d**-0.5), **copies),
-        "quantize_k": lambda: dual_quantize(k, mean=mean, per_tile=True, **copies),
-    }
-    if cfg.pv == "fp8":
-        stages["v_fp8_transpose"] = lambda: fp8_transpose(v)
-    # The launch a call makes (the Gluon kernel where it applies, DMA default at D=128).
-    stages["attention"] = lambda: attend(
-        q8, k8, v, vt, v_scale, q_len=q.shape[1], causal=causal, q_offset=0, diag=cfg.diag_tiles,
-        sink=cfg.sink_tiles, high=cfg.high, low=cfg.low, native=(False, False), has_lo=has_lo,
-        capability=attn.device_capability(q.device))
+    """Each launch of one DMA call's plan as a torch closure, on the outputs of the
+    launches before it (prepared once), named by the buffer it writes first."""
+    plan = plan_of(cfg, causal, q, k, v)
+    env = torch_executor.run(plan.launches, {"q": q, "k": k, "v": v})
+    stages = {}
+    for launch in plan.launches:
+        name = "attention" if launch is plan.launches[-1] else launch.outputs[0].name.split(".")[0]
+        stages[name] = lambda launch=launch: torch_executor.run((launch,), env)
     return stages
 
 
 def whole_call_torch(cfg, causal, q, k, v):
-    return dma_attention(q, k, v, causal=causal, q_offset=0, diag_tiles=cfg.diag_tiles,
-                         sink_tiles=cfg.sink_tiles, high=cfg.high, low=cfg.low, smooth_k=cfg.smooth_k,
-                         sm_scale=q.shape[-1] ** -0.5, pv=cfg.pv)
+    return torch_executor.execute(plan_of(cfg, causal, q, k, v), q=q, k=k, v=v)
+
+
+def attention_alone_fn(cfg, causal):
+    """The plan's attention launch through JAX, on the quantize launches' outputs."""
+    def attend(q, k, v, operands):
+        plan = executor.attention_plan(q, k, v, causal=causal, config=cfg, q_offset=0)
+        return executor.run(plan.launches[-1:], {"q": q, "k": k, "v": v, **operands})[plan.result]
+
+    return jax.jit(attend)
 
 
 def main() -> None:
@@ -133,9 +129,8 @@ def main() -> None:
         ms["jax_call"] = time_jax(dma_fn(cfg, causal), sets)
         quantize_jax = quantize_fn(cfg)
         ms["jax_quantize"] = time_jax(quantize_jax, sets)
-        prepared = [(st[0], st[2], quantize_jax(*st)) for st in sets]
-        ms["jax_attention"] = time_jax(jax.jit(lambda q_, v_, ops, c=cfg, causal=causal: attend_operands(
-            q_, v_, ops, causal=causal, config=c, q_offset=0)), prepared)
+        prepared = [(*st, quantize_jax(*st)) for st in sets]
+        ms["jax_attention"] = time_jax(attention_alone_fn(cfg, causal), prepared)
         row = {"config": name, "causal": causal, "ms": ms,
                "attention_tflops": flops / ms["attention"] / 1e9, "jax_call_tflops": flops / ms["jax_call"] / 1e9,
                "jax_attention_tflops": flops / ms["jax_attention"] / 1e9,

@@ -11,8 +11,8 @@ per-tile NVFP4 copies at each of ``K_TILE_TOKENS`` tokens per program next to
 ``k_tile_tokens``' pick. Bandwidth counts the
 bytes each kernel reads and writes. Times are medians of CUDA-graph replays
 (``do_bench_cudagraph``): these launches take tens of µs, less than the host time of a
-torch launcher call (output allocation and Triton's argument binding), which timed call by
-call was most of what session 6's table measured (NOTES.md). The replays do not flush L2
+torch executor call (output allocation and Triton's argument binding), which would dominate
+a call-by-call timing. The replays do not flush L2
 between calls; the default shapes' inputs (64-128 MiB) are larger than the H200's 50 MiB L2.
 Prints a table, writes JSON.
 
@@ -39,8 +39,8 @@ import torch
 import triton
 
 from device_name import gpu_tag
-from triton_kernels.quantize import (K_TILE_TOKENS, MEAN_CHUNKS, channel_mean, dual_quantize, fp8_transpose,
-                                     k_tile_tokens, mean_chunk)
+from triton_kernels.torch_executor import channel_mean, dual_quantize, fp8_transpose
+from triton_kernels.tuning import K_TILE_TOKENS, MEAN_CHUNKS, k_tile_tokens, mean_chunk
 
 
 def quantize_bytes(shape, low: str, mode: str) -> int:

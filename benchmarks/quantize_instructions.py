@@ -21,34 +21,22 @@ import collections
 import re
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from triton.tools.disasm import get_sass
 
-from triton_kernels.quantize import QUANTIZE_BLOCK_T, QUANTIZE_WARPS, _dual_quantize_kernel, quantize_meta
+from triton_kernels.aot import compile_launch
+from triton_kernels.plan import Buffer, quantize_plan
+from triton_kernels.target import Target
+from triton_kernels.tuning import QUANTIZE_BLOCK_T, QUANTIZE_WARPS
 
 MODES = {"fp8": dict(codes=False, fp8=True), "codes": dict(codes=True, fp8=False)}
-_POINTERS = {"x_ptr": "*bf16", "mean_parts": "*fp32", "lo_token": "*fp32", "hi_ts": "*fp32", "lo_ts": "*fp32"}
-
-
-def compile_sm90(meta: dict, **constants) -> dict:
-    """``_dual_quantize_kernel`` compiled for sm_90 with the constexprs ``meta`` and the
-    scalar arguments named in ``constants`` specialised to those values (``fold=1`` is
-    how jax-triton passes K's fold): its ``asm`` dict (``ptx``, ``cubin``, ...)."""
-    names = _dual_quantize_kernel.arg_names
-    scalars = {n: t for n, t in dict(n_parts="i32", mean_count="i32", fold="fp32", L="i32", H="i32").items() if n not in constants}
-    signature = {n: "constexpr" if n in meta or n in constants else scalars.get(n, _POINTERS.get(n, "*u8"))
-                 for n in names}
-    # Pointers 16-byte aligned, as torch's allocations are: otherwise every access
-    # compiles to byte loads and the count means nothing.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*")}
-    src = ASTSource(fn=_dual_quantize_kernel, signature=signature, constexprs={**meta, **constants}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=QUANTIZE_WARPS)).asm
 
 
 def compiled(head_dim: int, low: str, mode: str) -> dict:
-    """``compile_sm90`` for Q (no smooth-K, a scale per token) in ``mode``."""
-    return compile_sm90(quantize_meta(head_dim, "mxfp8_e4m3", low, False, **MODES[mode]))
+    """The planned dual-quantize launch for Q (no smooth-K, a scale per token) in
+    ``mode``, compiled for sm_90: its ``asm`` dict (``ptx``, ``cubin``, ...)."""
+    plan = quantize_plan(Buffer("x", (1, 1024, 8, head_dim), "bfloat16"), Target((9, 0)), low=low, fold=0.127,
+                         **MODES[mode])
+    return compile_launch(plan, plan.launches[-1], {"x": "bfloat16"}, 90)
 
 
 def sass_opcodes(sass: str) -> collections.Counter:

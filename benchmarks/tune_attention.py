@@ -1,12 +1,12 @@
-"""Sweep the attention kernel's launch settings; the winners go into
-``triton_kernels.attention.LAUNCH``.
+"""Sweep the Triton attention kernel's launch settings; the winners go into
+``triton_kernels.tuning`` (``LAUNCH_SM90``, ``LAUNCH_SM90_UNQUANTIZED``).
 
 GPU only. For each (head_dim, causal, P·V mode) it times the attention launch
-alone (Q and K quantized once beforehand) with ``triton.testing.do_bench`` at
+alone (the plan's quantize launches run once beforehand) with ``triton.testing.do_bench`` at
 B=1, S=8192, 32 query and 8 kv heads, DMA default tiles, bf16, for every
 candidate (BLOCK_M, BLOCK_N, num_warps, num_stages). Prints a table per key,
 the best setting, and writes JSON. ``--unquantized`` sweeps the same kernel
-with Q·Kᵀ on the bf16 inputs (``input_attention``, the benchmark's own bf16 path).
+with Q·Kᵀ on the bf16 inputs (``plan.input_attention_plan``, the benchmark's own bf16 path).
 
     python benchmarks/tune_attention.py [--seq 8192] [--head-dims 128] [--pv input] [--unquantized]
 """
@@ -23,9 +23,10 @@ import torch
 import triton
 
 from device_name import gpu_tag
-from triton_kernels.attention import LaunchConfig, input_attention, mx_attention
-from triton_kernels.dma import softmax_fold
-from triton_kernels.quantize import channel_mean, dual_quantize, fp8_transpose
+from triton_kernels import plan as plans
+from triton_kernels import torch_executor
+from triton_kernels.torch_executor import buffer
+from triton_kernels.tuning import LaunchConfig
 
 CANDIDATES = [
     LaunchConfig(64, 128, 4, 2), LaunchConfig(64, 128, 4, 3), LaunchConfig(64, 64, 4, 2),
@@ -53,20 +54,23 @@ def main() -> None:
                                                pv_modes):
         g = torch.Generator(device="cuda").manual_seed(d)
         q, k, v = (torch.randn(1, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+        inputs = {"q": q, "k": k, "v": v}
+        target = torch_executor.target_of(q.device)
         if args.unquantized:
-            fold = softmax_fold(d**-0.5)
-
-            def attend(launch):
-                return input_attention(q, k, v, causal=causal, q_offset=0, qk_scale=fold, launch=launch)
+            def plan_for(launch):
+                return plans.input_attention_plan(buffer("q", q), buffer("k", k), buffer("v", v), target,
+                                                  causal=causal, q_offset=0, sm_scale=d**-0.5, launch=launch)
         else:
-            q8 = dual_quantize(q, fold=softmax_fold(d**-0.5), codes=False, fp8=True)
-            k8 = dual_quantize(k, mean=channel_mean(k), codes=False, fp8=True, per_tile=True)
-            vt, v_scale = fp8_transpose(v) if pv_fp8 else (None, None)
+            def plan_for(launch):
+                return plans.attention_plan(
+                    buffer("q", q), buffer("k", k), buffer("v", v), target, causal=causal, q_offset=0,
+                    diag_tiles=1, sink_tiles=1, high="mxfp8_e4m3", low="nvfp4", smooth_k=True, sm_scale=d**-0.5,
+                    pv="fp8" if pv_fp8 else "input", kernel="triton", launch=launch)
+            prepared = torch_executor.run(plan_for(CANDIDATES[0]).launches[:-1], inputs)
+            inputs = {**inputs, **prepared}
 
-            def attend(launch):
-                return mx_attention(q8, k8, v, q_len=s, causal=causal, q_offset=0, diag=1, sink=1,
-                                    high="mxfp8_e4m3", low="nvfp4", native=(False, False), vt=vt,
-                                    v_scale=v_scale, launch=launch)
+        def attend(launch):
+            return torch_executor.run(plan_for(launch).launches[-1:], inputs)
         flops = 4 * s * s * hq * d / (2 if causal else 1)
         timings = {}
         for launch in CANDIDATES:

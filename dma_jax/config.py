@@ -8,7 +8,6 @@ import math
 HIGH_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
 LOW_FORMATS = ("nvfp4", "mxfp4")
 PV_MODES = ("input", "fp8")
-TILE_SIZES = (128,)
 # Large enough that every pair of any realistic sequence is on the "diagonal",
 # small enough to stay an int32 in tile arithmetic.
 ALL_TILES = 2**30
@@ -30,7 +29,8 @@ class DMAConfig:
 
     A query/key pair is computed in the ``high`` format when its key tile is one
     of the first ``sink_tiles`` tiles or lies within ``diag_tiles`` tiles of the
-    query's tile (DESIGN.md §3.3); every other pair uses the ``low`` format.
+    query's tile (tiles of ``triton_kernels.geometry.TILE`` = 128 tokens); every
+    other pair uses the ``low`` format.
     ``diag_tiles=0, sink_tiles=0`` is all-low; a huge ``diag_tiles`` is all-high.
 
     Attributes:
@@ -40,8 +40,7 @@ class DMAConfig:
       low: 4-bit format, ``"nvfp4"`` or ``"mxfp4"``.
       smooth_k: subtract the per-channel mean of K over the valid tokens first.
       sm_scale: softmax scale; ``None`` means ``head_dim ** -0.5``.
-      tile_size: tokens per tile of the classification (the kernels' tile).
-      pv: ``"input"`` (P rounded to the input dtype, V as given: DESIGN.md §3.4) or
+      pv: ``"input"`` (P rounded to the input dtype, V as given) or
         ``"fp8"`` (P and V in E4M3, V with a power-of-two scale per channel: faster
         on Hopper, less accurate; see ``dma_jax.formats.fp8_per_channel``).
     """
@@ -52,7 +51,6 @@ class DMAConfig:
     low: str = "nvfp4"
     smooth_k: bool = True
     sm_scale: float | None = None
-    tile_size: int = 128
     pv: str = "input"
 
     def __post_init__(self) -> None:
@@ -61,7 +59,6 @@ class DMAConfig:
         _check_choice("high", self.high, HIGH_FORMATS)
         _check_choice("low", self.low, LOW_FORMATS)
         _check_choice("smooth_k", self.smooth_k, (True, False))
-        _check_choice("tile_size", self.tile_size, TILE_SIZES)
         _check_choice("pv", self.pv, PV_MODES)
         s = self.sm_scale
         if s is not None and (
@@ -94,6 +91,12 @@ class DMAConfig:
         spends the saved error on ``pv="fp8"``. README "Speed" has its error and speed.
         """
         return cls(diag_tiles=ALL_TILES, pv="fp8", **kwargs)
+
+    def kernel_options(self, head_dim: int) -> dict:
+        """The keywords of ``triton_kernels.plan.attention_plan`` for this config, the
+        same for the JAX and the torch front end."""
+        return dict(diag_tiles=self.diag_tiles, sink_tiles=self.sink_tiles, high=self.high, low=self.low,
+                    smooth_k=self.smooth_k, sm_scale=self.softmax_scale(head_dim), pv=self.pv)
 
     def softmax_scale(self, head_dim: int) -> float:
         """The softmax scale for ``head_dim`` (``sm_scale`` or ``head_dim**-0.5``)."""

@@ -1,6 +1,7 @@
-"""Microscaling (MX) and NVFP4 quantization in jnp, exactly as DESIGN.md §3.1.
+"""Microscaling (MX) and NVFP4 quantization in jnp, exactly as docs/design.md defines them.
 
-Every format quantizes along the last axis (head_dim) in blocks:
+Every format quantizes along the last axis (head_dim) in blocks (the format table,
+``FORMATS``, lives in ``triton_kernels.format_table``, shared with the kernels):
 
 * ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp4``: blocks of 32 elements share one
   E8M0 (power-of-two) scale ``2^(floor(log2(amax)) - emax_elem)``.
@@ -26,7 +27,6 @@ Conventions beyond the OCP text, shared with the kernels:
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 from typing import NamedTuple, cast
 
@@ -34,44 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triton_kernels.format_table import E4M3, FORMATS, NVFP4_TOKEN_DIVISOR, Format
+from triton_kernels.geometry import TILE
+
 from .validation import dtype_name, is_array
 
 __all__ = ["FORMATS", "Format", "Quantized", "get_format", "quantize", "dequantize", "fp8_per_token", "fp8_per_tile",
            "fp8_per_channel"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Format:
-    """A block-scaled number format."""
-
-    name: str
-    exp_bits: int  # element exponent bits
-    man_bits: int  # element mantissa bits
-    emin: int  # element exponent of the smallest normal value
-    emax: int  # element exponent of the largest normal value (OCP "emax_elem")
-    max_value: float  # largest finite element value (saturation bound)
-    block: int  # elements per block along head_dim
-    scale: str  # "e8m0" (MX) or "e4m3_fp32" (NVFP4's two-level scale)
-
-    @property
-    def packed(self) -> bool:
-        """True for 4-bit elements, stored two per byte."""
-        return self.exp_bits + self.man_bits + 1 == 4
-
-
-FORMATS: dict[str, Format] = {
-    f.name: f
-    for f in (
-        Format("mxfp8_e4m3", 4, 3, -6, 8, 448.0, 32, "e8m0"),
-        Format("mxfp8_e5m2", 5, 2, -14, 15, 57344.0, 32, "e8m0"),
-        Format("mxfp4", 2, 1, 0, 2, 6.0, 32, "e8m0"),
-        Format("nvfp4", 2, 1, 0, 2, 6.0, 16, "e4m3_fp32"),
-    )
-}
-
-_E4M3 = FORMATS["mxfp8_e4m3"]
-# NVFP4's per-token scale maps the token amax onto (E2M1 max) x (E4M3 max).
-NVFP4_TOKEN_DIVISOR = 6.0 * 448.0
 _MIN_NORMAL_F32 = np.float32(2.0**-126)
 
 
@@ -213,7 +183,7 @@ def _quantize_nvfp4(
     amax_block = _abs_max(xb, -1, keepdims=True)
     sb_f = div_rn(amax_block, jnp.float32(6.0) * s2)
     finite = jnp.isfinite(sb_f)
-    sb = round_to_element(jnp.where(finite, sb_f, 0.0), _E4M3)
+    sb = round_to_element(jnp.where(finite, sb_f, 0.0), E4M3)
     # The elements are encoded with the rounded block scale, as they are decoded.
     usable = finite & (sb > 0)
     # A block with a zero scale encodes signed zeros, like any element that rounds
@@ -222,7 +192,7 @@ def _quantize_nvfp4(
     v = jnp.where(usable, div_rn(div_rn(xb, s2), jnp.where(usable, sb, 1.0)), zero)
     r = round_to_element(jnp.where(jnp.isfinite(v), v, 0.0), fmt)
     codes = _element_codes(r, fmt).reshape(x.shape)
-    sb_codes = jnp.where(finite, _element_codes(sb, _E4M3), 0x7F)[..., 0]
+    sb_codes = jnp.where(finite, _element_codes(sb, E4M3), 0x7F)[..., 0]
     return codes, sb_codes, s2[..., 0, 0]
 
 
@@ -321,7 +291,7 @@ def _dequantize(q: Quantized, f: Format) -> jax.Array:
         out = (values * _pow2(jnp.where(low, e + 64, e))[..., None]) * jnp.where(low, 2.0**-64, 1.0)[..., None]
         out = jnp.where((q.scales == 255)[..., None], jnp.nan, out)
     else:
-        sb = _element_values(q.scales, _E4M3)[..., None]
+        sb = _element_values(q.scales, E4M3)[..., None]
         out = (values * sb) * _token_scale(q)[..., None, None]
     return out.reshape(*out.shape[:-2], -1)
 
@@ -331,10 +301,10 @@ def fp8_per_token(q: Quantized, fmt: str) -> tuple[jax.Array, jax.Array]:
     scale per token, ``x ≈ values * token_scale[..., None]`` (what the sm_90 kernel reads).
 
     MX formats: ``token_scale = 2^T`` with ``T = max_b(X_b) + emax - 8`` (at least -126)
-    over the token's block exponents ``X_b``, and ``values = RTNE_E4M3(e · 2^(X_b - T))``.
+    over the token's block exponents ``X_b``, and ``values = RTNEE4M3(e · 2^(X_b - T))``.
     That is exact unless a block lies so far below the token's largest block that its
     elements fall into E4M3's subnormal range (below 2^-6).
-    NVFP4: ``token_scale = 8 · s2`` and ``values = RTNE_E4M3(e · sb / 8)``. The product
+    NVFP4: ``token_scale = 8 · s2`` and ``values = RTNEE4M3(e · sb / 8)``. The product
     ``e · sb`` of an E2M1 element and an E4M3 block scale has up to 5 significant bits,
     E4M3 keeps 4, so each element moves by at most 2^-4 of itself (and elements below
     2^-9 · token_scale round to subnormals or zero).
@@ -354,19 +324,19 @@ def _fp8_per_token(q: Quantized, f: Format) -> tuple[jax.Array, jax.Array]:
         top = jnp.max(jnp.where(finite, x_b, -127), axis=-1, keepdims=True)
         t = jnp.maximum(top + f.emax - 8, -126)
         shift = jnp.maximum(x_b - t, -126)
-        values = round_to_element(e * _pow2(shift)[..., None], _E4M3)
+        values = round_to_element(e * _pow2(shift)[..., None], E4M3)
         token = _pow2(t[..., 0])
     else:
         finite = q.scales != 0x7F
-        sb = _element_values(q.scales, _E4M3)
-        values = round_to_element(e * jnp.where(finite, sb, 0.0)[..., None] * 0.125, _E4M3)
+        sb = _element_values(q.scales, E4M3)
+        values = round_to_element(e * jnp.where(finite, sb, 0.0)[..., None] * 0.125, E4M3)
         token = _token_scale(q) * 8.0
     values = jnp.where(finite[..., None], values, 0.0)
     token = jnp.where(jnp.all(finite, axis=-1), token, jnp.nan)
     return values.reshape(*values.shape[:-2], -1), token
 
 
-def fp8_per_tile(q: Quantized, fmt: str, tile: int = 128, axis: int = 1) -> tuple[jax.Array, jax.Array]:
+def fp8_per_tile(q: Quantized, fmt: str, tile: int = TILE, axis: int = 1) -> tuple[jax.Array, jax.Array]:
     """K's tensor-core-ready copy on sm_90: E4M3 values with one float32 scale per
     ``tile`` consecutive tokens along ``axis`` (the last tile may be shorter), so that
     the kernel scales a whole key block by one number instead of every score column.
@@ -374,10 +344,10 @@ def fp8_per_tile(q: Quantized, fmt: str, tile: int = 128, axis: int = 1) -> tupl
     The tile scale is the largest per-token scale of :func:`fp8_per_token` over the
     tile's finite tokens (NVFP4: over its finite, non-zero tokens).
     MX formats: ``scale = 2^T`` with ``T`` the largest token ``T`` of the tile, and
-    ``values = RTNE_E4M3(e · 2^(X_b - T))``: exact unless an element falls below
+    ``values = RTNEE4M3(e · 2^(X_b - T))``: exact unless an element falls below
     E4M3's normal range (rare: the tile's tokens would have to differ by ~2^6 in
     magnitude). NVFP4: ``scale = 8 · s2_max`` and
-    ``values = RTNE_E4M3((e · sb / 8) · (s2 / s2_max))`` with the ratio rounded to
+    ``values = RTNEE4M3((e · sb / 8) · (s2 / s2_max))`` with the ratio rounded to
     float32 first: each element moves by at most 2^-4 of itself, as per token, but
     almost every element is re-rounded.
     A token with a NaN or Inf gets NaN values (its scale is shared), so only the
@@ -420,7 +390,7 @@ def _fp8_per_tile(q: Quantized, f: Format, tile: int, axis: int) -> tuple[jax.Ar
         t = jnp.maximum(jnp.max(x_b, axis=-1) + f.emax - 8, -126)
         t_tile = _tile_max(jnp.where(token_ok, t, -126), tile, axis, -126)
         shift = jnp.maximum(x_b - _per_token(t_tile, tile, axis, n)[..., None], -126)
-        values = round_to_element(e * _pow2(shift)[..., None], _E4M3)
+        values = round_to_element(e * _pow2(shift)[..., None], E4M3)
         scale = _pow2(t_tile)
     else:
         finite = q.scales != 0x7F
@@ -430,9 +400,9 @@ def _fp8_per_tile(q: Quantized, f: Format, tile: int, axis: int) -> tuple[jax.Ar
         s2_max = _tile_max(jnp.where(nonzero, s2, 0.0), tile, axis, 0.0)
         s2_max = jnp.where(s2_max == 0, 1.0, s2_max)
         ratio = div_rn(s2, _per_token(s2_max, tile, axis, n))
-        sb = _element_values(q.scales, _E4M3)
+        sb = _element_values(q.scales, E4M3)
         values = round_to_element((e * (jnp.where(finite, sb, 0.0) * 0.125)[..., None]) * ratio[..., None, None],
-                                  _E4M3)
+                                  E4M3)
         scale = s2_max * 8.0
     values = jnp.where(token_ok[..., None, None], values, jnp.nan)
     return values.reshape(*values.shape[:-2], -1), scale
@@ -443,7 +413,7 @@ def fp8_per_channel(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     along ``axis`` (V for the optional FP8 P·V, scaled over its tokens).
 
     ``scale = 2^clip(floor(log2(amax)) - 7, -126, 127)``, so the largest value lands in
-    [128, 256) and nothing saturates; ``values = RTNE_E4M3(x / scale)``. A channel with
+    [128, 256) and nothing saturates; ``values = RTNEE4M3(x / scale)``. A channel with
     a NaN or Inf gets a NaN scale and zero values. Returns float32 (values with
     ``x``'s shape, scales with ``axis`` removed).
     """
@@ -451,6 +421,6 @@ def fp8_per_channel(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     amax = _abs_max(x, axis, keepdims=True)
     finite = jnp.isfinite(amax)
     t = jnp.clip(_exponent(jnp.where(finite, amax, 0.0)) - 7, -126, 127)
-    values = jnp.where(finite, round_to_element(x * _pow2(-t), _E4M3), 0.0)
+    values = jnp.where(finite, round_to_element(x * _pow2(-t), E4M3), 0.0)
     scale = jnp.where(finite, _pow2(t), jnp.nan)
     return values, jnp.squeeze(scale, axis)

@@ -1,4 +1,4 @@
-"""Accuracy metrics of DESIGN.md §3.5, computed in float64 with numpy."""
+"""Accuracy metrics (docs/design.md, "Accuracy metrics"), computed in float64 with numpy."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def _reference_local(q, k, v, causal, config, q_offset):
 
 def _triton_local(q, k, v, causal, config, q_offset):
     # Imported on first use: Triton, torch and jax-triton load only on GPU machines.
-    from .kernels import triton_attention
+    from .executor import triton_attention
 
     return triton_attention(q, k, v, causal=causal, config=config, q_offset=q_offset)
 

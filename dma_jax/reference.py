@@ -1,4 +1,4 @@
-"""The jnp oracle of DMA (DESIGN.md §3.2-3.4) and exact float32 attention.
+"""The jnp oracle of DMA (docs/design.md, "Numerics") and exact float32 attention.
 
 Both work on query chunks under ``lax.map`` so that memory stays bounded by one
 chunk's score matrix (``batch * q_heads * chunk * kv_len`` floats), whatever
@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triton_kernels import geometry
+
 from .config import DMAConfig
 from .formats import FORMATS, dequantize, fp8_per_channel, fp8_per_tile, fp8_per_token, quantize, round_to_element
 from .validation import check_attention_inputs, resolve_q_offset
@@ -29,14 +31,13 @@ _CHUNK_SCORES = 2**25
 def pair_is_high(
     q_pos: jax.Array, k_pos: jax.Array, *, causal: bool, config: DMAConfig
 ) -> jax.Array:
-    """True where the (query position, key position) pair uses the high format.
+    """True where the (query position, key position) pair uses the high format
+    (``triton_kernels.geometry.pair_is_high`` with ``config``'s band and sinks).
 
     Positions broadcast against each other; the causal mask is applied elsewhere.
     """
-    t = config.tile_size
-    tq, tk = q_pos // t, k_pos // t
-    near = (tq - tk) if causal else jnp.abs(tq - tk)
-    return (tk < config.sink_tiles) | (near < config.diag_tiles)
+    return geometry.pair_is_high(q_pos, k_pos, causal=causal, diag_tiles=config.diag_tiles,
+                                 sink_tiles=config.sink_tiles)
 
 
 def high_pair_fraction(config: DMAConfig, seq_len: int, *, causal: bool = True) -> float:
@@ -50,14 +51,12 @@ def high_pair_fraction(config: DMAConfig, seq_len: int, *, causal: bool = True) 
 
 
 def _uniform_precision(
-    config: DMAConfig, causal: bool, q_len: int, kv_len: int, q_offset: int
+    config: DMAConfig, q_len: int, kv_len: int, q_offset: int
 ) -> str | None:
     """``"high"``/``"low"`` when every pair uses one format, else ``None``."""
     if config.diag_tiles == 0 and config.sink_tiles == 0:
         return "low"
-    first = min(0, q_offset)
-    last = max(kv_len - 1, q_offset + q_len - 1)
-    if config.diag_tiles > (last - first) // config.tile_size + 1:
+    if geometry.all_high(q_len, kv_len, q_offset, config.diag_tiles):
         return "high"
     return None
 
@@ -177,8 +176,8 @@ def dma_reference(
     fold = np.float32(config.softmax_scale(dim) * math.log2(math.e))
     q32 = q.astype(jnp.float32) * fold
 
-    uniform = _uniform_precision(config, causal, q_len, kv_len, q_offset)
-    tile = config.tile_size
+    uniform = _uniform_precision(config, q_len, kv_len, q_offset)
+    tile = geometry.TILE
     q_lo: jax.Array | None
     k_lo: jax.Array | None
     if uniform is None:
@@ -220,7 +219,7 @@ def reference_attention(
       causal: mask keys after each query's position.
       config: :class:`DMAConfig` (default ``DMAConfig()``).
       q_offset: absolute position of query row 0; default ``kv_len - q_len``.
-      operands: ``"exact"`` (DESIGN.md §3.4: the MX values themselves) or ``"fp8"``
+      operands: ``"exact"`` (the MX values themselves, as the numerics define them) or ``"fp8"``
         (the E4M3 copies that Hopper's tensor cores read, Q with a scale per token
         and K per 128-key tile; exact for MX formats except E4M3 subnormals, within
         2^-4 per element for NVFP4).

@@ -30,8 +30,8 @@ def torch_attention(
     """
     import torch
 
-    from triton_kernels.attention import interpreting
-    from triton_kernels.dma import dma_attention
+    from triton_kernels.target import interpreting
+    from triton_kernels.torch_executor import attention_plan, execute
 
     check_attention_inputs(q, k, v, causal=causal, config=config, q_offset=q_offset)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -46,9 +46,7 @@ def torch_attention(
         )
     config = config or DMAConfig()
     offset = resolve_q_offset(q.shape[1], k.shape[1], q_offset)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with torch.no_grad():
-        return dma_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), causal=causal, q_offset=offset,
-            diag_tiles=config.diag_tiles, sink_tiles=config.sink_tiles, high=config.high,
-            low=config.low, smooth_k=config.smooth_k, sm_scale=config.softmax_scale(q.shape[3]), pv=config.pv,
-        )
+        plan = attention_plan(q, k, v, causal=causal, q_offset=offset, **config.kernel_options(q.shape[3]))
+        return execute(plan, q=q, k=k, v=v)

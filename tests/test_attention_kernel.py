@@ -21,9 +21,9 @@ import torch
 
 from dma_jax import DMAConfig, reference_attention
 from dma_jax.config import ALL_TILES
-from triton_kernels.attention import LaunchConfig, all_high, band_covering_all, input_attention, mx_attention
-from triton_kernels.dma import dma_attention, softmax_fold
-from triton_kernels.quantize import channel_mean, dual_quantize
+from triton_kernels.geometry import all_high, band_covering_all
+from triton_kernels.torch_executor import dma_attention, input_attention
+from triton_kernels.tuning import LaunchConfig
 
 import oracle
 from conftest import HAS_CUDA, TRITON_39, compiler_env
@@ -42,14 +42,14 @@ def make(seed, b, lq, lk, hq, hkv, d, dtype):
     return [x.to(TORCH_DTYPES[dtype]) for x in (q, k, v)]
 
 
-def kernel_vs_reference(q, k, v, *, causal, config, q_offset=None, native=None):
+def kernel_vs_reference(q, k, v, *, causal, config, q_offset=None, native=None, launch=None):
     lq, lk, d = q.shape[1], k.shape[1], q.shape[3]
     offset = lk - lq if q_offset is None else q_offset
     out = dma_attention(
         q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal, q_offset=offset,
         diag_tiles=config.diag_tiles, sink_tiles=config.sink_tiles, high=config.high,
         low=config.low, smooth_k=config.smooth_k, sm_scale=config.softmax_scale(d), pv=config.pv,
-        native=native,
+        native=native, launch=launch,
     ).float().cpu().numpy()
     operands = "exact" if native else "fp8"
     with jax.default_device(jax.devices("cpu")[0]):
@@ -124,7 +124,7 @@ def test_nan_propagates_to_its_rows():
 def test_native_dot_scaled_mx_path(diag, sink):
     """tl.dot_scaled (the sm_100 path) on MXFP8 + MXFP4 tiles, run by the interpreter
     here (on sm_90 it is emulated). NVFP4's E4M3 block scales are not modelled by the
-    interpreter, so NVFP4 native tiles are off by default (triton_kernels.attention)."""
+    interpreter, so NVFP4 native tiles are off by default (triton_kernels.target)."""
     q, k, v = make(7, 1, 300, 300, 2, 1, 128, "fp16")
     cfg = DMAConfig(low="mxfp4", diag_tiles=diag, sink_tiles=sink)
     out, ref = kernel_vs_reference(q, k, v, causal=True, config=cfg, native=True)
@@ -168,46 +168,23 @@ def test_launch_shapes(block_m, block_n):
     q, k, v = make(13, 1, 300, 300, 2, 1, 64, "fp16")
     cfg = DMAConfig(diag_tiles=2)
     launch = LaunchConfig(block_m, block_n, 4, 2)
-    q8 = dual_quantize(q.to(DEVICE), fold=softmax_fold(64**-0.5), codes=False, fp8=True)
-    k8 = dual_quantize(k.to(DEVICE), mean=channel_mean(k.to(DEVICE)), codes=False, fp8=True, per_tile=True)
     for causal, offset in ((True, 0), (False, 0), (False, -70)):
-        out = mx_attention(q8, k8, v.to(DEVICE), q_len=300, causal=causal, q_offset=offset, diag=2, sink=1,
-                           high=cfg.high, low=cfg.low, native=(False, False), launch=launch).float().cpu().numpy()
-        _, ref = kernel_vs_reference(q, k, v, causal=causal, config=cfg, q_offset=offset)
+        out, ref = kernel_vs_reference(q, k, v, causal=causal, config=cfg, q_offset=offset, launch=launch)
         assert oracle.rel_l2(out, ref) <= 2e-3, (causal, offset)
-
-
-def test_per_token_k_copies_are_rejected():
-    """The kernel reads one K scale per 128-key tile; per-token K copies would be
-    read as tile scales, so mx_attention refuses them with a message."""
-    q, k, v = make(14, 1, 300, 300, 2, 1, 64, "fp16")
-    q8 = dual_quantize(q.to(DEVICE), codes=False, fp8=True)
-    k8 = dual_quantize(k.to(DEVICE), codes=False, fp8=True)
-    with pytest.raises(ValueError, match="one scale per 128-key tile"):
-        mx_attention(q8, k8, v.to(DEVICE), q_len=300, causal=True, q_offset=0, diag=1, sink=1,
-                     high="mxfp8_e4m3", low="nvfp4", native=(False, False))
 
 
 COMPILE_PTX = """
 import re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton_kernels.attention import _dma_attention_kernel, attention_meta, launch_config
+from triton_kernels.aot import compile_launch
+from triton_kernels.plan import Buffer, attention_plan
+from triton_kernels.target import Target
 
 arch, low, native, pv_fp8 = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
-types = {"*u8": [f"{x}{c}_{f}" for x in "qk" for c in "hl" for f in ("codes", "scales", "f8")] + ["vt_ptr"],
-         "*fp32": [f"{x}{c}_ts" for x in "qk" for c in "hl"] + ["ql_token", "kl_token", "v_scale"],
-         "*bf16": ["v_ptr", "o_ptr"],
-         "i32": ["Lq", "Lk", "HQ", "HKV", "q_offset", "block0", "diag", "sink"], "fp32": ["qk_scale"]}
-signature = {name: ty for ty, names in types.items() for name in names}
-launch = launch_config(128, True, pv_fp8, (arch // 10, arch % 10))
-meta = attention_meta(128, causal=True, high="mxfp8_e4m3", low=low, native=(arch >= 100, native), has_lo=True,
-                      pv_fp8=pv_fp8, f32_inputs=False, interpret=False, launch=launch)
-signature.update({name: "constexpr" for name in meta})
-src = ASTSource(fn=_dma_attention_kernel, signature=signature, constexprs=meta)
-ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                     options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages)).asm["ptx"]
+q, kv = Buffer("q", (1, 1024, 8, 128), "bfloat16"), Buffer("k", (1, 1024, 2, 128), "bfloat16")
+plan = attention_plan(q, kv, Buffer("v", kv.shape, "bfloat16"), Target((arch // 10, arch % 10)), causal=True,
+                      q_offset=0, diag_tiles=1, sink_tiles=1, high="mxfp8_e4m3", low=low, smooth_k=True,
+                      sm_scale=0.1, pv="fp8" if pv_fp8 else "input", native=True if native else None, kernel="triton")
+ptx = compile_launch(plan, plan.launches[-1], {"q": "bfloat16", "k": "bfloat16", "v": "bfloat16"}, arch)["ptx"]
 print(sorted(set(re.findall(r"tcgen05[.]mma[.]cta_group::1[.]kind::([a-z0-9]+)[.]block_scale[.]([a-z0-9]+)", ptx))))
 print(sorted(set(re.findall(r"wgmma[.]mma_async[.]sync[.]aligned[.]m64n[0-9]+k[0-9]+[.]f32[.]([a-z0-9]+)[.]", ptx))))
 """
@@ -257,7 +234,7 @@ def test_input_attention_matches_float64(dtype, tol, b, lq, lk, hq, hkv, d, caus
     q, k, v = make(15 + lq, b, lq, lk, hq, hkv, d, dtype)
     sm_scale = d**-0.5
     out = input_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal, q_offset=q_offset,
-                          qk_scale=softmax_fold(sm_scale))
+                          sm_scale=sm_scale)
     ref = oracle.dma_attention(*(x.float() for x in (q, k, v)), causal=causal, diag=None, sm_scale=sm_scale,
                                q_offset=q_offset)
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -267,7 +244,7 @@ def test_input_attention_matches_float64(dtype, tol, b, lq, lk, hq, hkv, d, caus
 def test_input_attention_rejects_mixed_dtypes():
     q, k, v = make(16, 1, 10, 10, 2, 1, 64, "fp16")
     with pytest.raises(ValueError, match="share a dtype"):
-        input_attention(q, k, v.bfloat16(), causal=True, q_offset=0, qk_scale=1.0)
+        input_attention(q, k, v.bfloat16(), causal=True, q_offset=0, sm_scale=1.0)
 
 
 @pytest.mark.parametrize("launch", [LaunchConfig(128, 128, 8, 3), LaunchConfig(64, 64, 4, 3)])
@@ -276,7 +253,7 @@ def test_input_attention_launch_shapes(launch):
     q, k, v = make(17, 1, 200, 300, 4, 2, 128, "fp16")
     for causal in (True, False):
         out = input_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal, q_offset=100,
-                              qk_scale=softmax_fold(0.1), launch=launch)
+                              sm_scale=0.1, launch=launch)
         ref = oracle.dma_attention(*(x.float() for x in (q, k, v)), causal=causal, diag=None, sm_scale=0.1,
                                    q_offset=100)
         assert oracle.rel_l2(out.float().cpu().numpy(), ref) <= 5e-4, causal

@@ -11,8 +11,8 @@ from dma_jax.config import ALL_TILES
 
 def test_defaults_follow_the_paper():
     c = DMAConfig()
-    assert (c.diag_tiles, c.sink_tiles, c.high, c.low, c.smooth_k, c.sm_scale, c.tile_size, c.pv) == (
-        1, 1, "mxfp8_e4m3", "nvfp4", True, None, 128, "input")
+    assert (c.diag_tiles, c.sink_tiles, c.high, c.low, c.smooth_k, c.sm_scale, c.pv) == (
+        1, 1, "mxfp8_e4m3", "nvfp4", True, None, "input")
     assert c.softmax_scale(128) == 128**-0.5
     assert DMAConfig(sm_scale=0.1).softmax_scale(128) == 0.1
 
@@ -41,7 +41,6 @@ def test_presets():
     ("high", "nvfp4", r"DMAConfig.high must be one of \('mxfp8_e4m3', 'mxfp8_e5m2'\); got 'nvfp4'"),
     ("low", "int4", r"DMAConfig.low must be one of \('nvfp4', 'mxfp4'\); got 'int4'"),
     ("smooth_k", "yes", r"DMAConfig.smooth_k must be one of \(True, False\); got 'yes'"),
-    ("tile_size", 64, r"DMAConfig.tile_size must be one of \(128,\); got 64"),
     ("pv", "bf16", r"DMAConfig.pv must be one of \('input', 'fp8'\); got 'bf16'"),
     ("sm_scale", 0.0, r"DMAConfig.sm_scale must be None or a finite float > 0; got 0.0"),
     ("sm_scale", float("nan"), r"sm_scale must be None or a finite float > 0; got nan"),
@@ -50,3 +49,18 @@ def test_presets():
 def test_bad_values_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         DMAConfig(**{field: value})
+
+
+def test_kernel_options_carry_every_field_the_kernels_need():
+    """Both front ends pass these to the launch plan: a field left out would be ignored
+    on the GPU while the reference honours it."""
+    c = DMAConfig(diag_tiles=3, sink_tiles=0, high="mxfp8_e5m2", low="mxfp4", smooth_k=False, sm_scale=0.2, pv="fp8")
+    assert c.kernel_options(64) == dict(diag_tiles=3, sink_tiles=0, high="mxfp8_e5m2", low="mxfp4", smooth_k=False,
+                                        sm_scale=0.2, pv="fp8")
+    assert {f.name for f in dataclasses.fields(DMAConfig)} == set(c.kernel_options(64))
+    assert DMAConfig().kernel_options(64)["sm_scale"] == 64**-0.5
+
+
+def test_tile_size_is_not_a_config_field():
+    with pytest.raises(TypeError):
+        DMAConfig(tile_size=128)

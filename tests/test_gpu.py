@@ -54,7 +54,7 @@ def tolerance(dtype):
 def test_jax_unquantized_baseline_matches_float64(causal):
     """The benchmark's own bf16 path (Q·Kᵀ on the inputs) through jax-triton is
     plain attention up to bf16 rounding of P and of the output."""
-    from dma_jax.kernels import triton_input_attention
+    from dma_jax.executor import triton_input_attention
 
     q, k, v = inputs(17, 1, 300, 700, 8, 2, 128)
     f = jax.jit(lambda q, k, v: triton_input_attention(q, k, v, causal=causal, sm_scale=0.1, q_offset=400))
@@ -173,7 +173,7 @@ def test_sm90_gluon_kernel_matches_reference_and_triton_kernel(b, lq, lk, hq, hk
     """head_dim 128, bf16: both front ends take the Gluon kernel (launched from JAX by
     ``gluon_call``); it computes what the Triton kernel computes on the same operands."""
     from dma_jax import gluon_call
-    from triton_kernels import dma
+    from triton_kernels import torch_executor
 
     q, k, v = inputs(lq + lk + 1, b, lq, lk, hq, hkv, 128)
     cfg = DMAConfig(diag_tiles=diag, sink_tiles=sink)
@@ -190,14 +190,10 @@ def test_sm90_gluon_kernel_matches_reference_and_triton_kernel(b, lq, lk, hq, hk
     tq, tk, tv = (bridge.to_torch(x) for x in (q, k, v))
     t_out = torch_attention(tq, tk, tv, causal=causal, config=cfg, q_offset=q_offset)
     np.testing.assert_array_equal(t_out.float().cpu().numpy(), out)
-    # The Triton kernel on the operands the torch front end quantized.
-    triton_out = []
-    plain = dma.mx_attention
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dma, "sm90_applies", lambda *a: False)
-        mp.setattr(dma, "mx_attention", lambda *a, **kw: triton_out.append(plain(*a, **kw)) or triton_out[-1])
-        torch_attention(tq, tk, tv, causal=causal, config=cfg, q_offset=q_offset)
-    assert oracle.rel_l2(t_out.float().cpu().numpy(), triton_out[0].float().cpu().numpy()) <= 1e-4
+    # The same plan with the Triton kernel as its attention launch.
+    triton_out = torch_executor.dma_attention(tq, tk, tv, causal=causal, q_offset=q_offset, kernel="triton",
+                                              **cfg.kernel_options(128))
+    assert oracle.rel_l2(t_out.float().cpu().numpy(), triton_out.float().cpu().numpy()) <= 1e-4
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel is for sm_90 (Hopper)")

@@ -1,9 +1,8 @@
-"""triton_kernels.quantize: byte-for-byte equal to dma_jax.formats.
+"""triton_kernels.quantize (run by the torch executor): byte-for-byte equal to dma_jax.formats.
 
 Runs under TRITON_INTERPRET=1 on CPU (conftest) and natively on a GPU.
 """
 
-import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -18,14 +17,15 @@ import triton
 import triton.language as tl
 
 from dma_jax import quantize
-from dma_jax.formats import FORMATS as JAX_FORMATS
 from dma_jax.formats import fp8_per_channel, fp8_per_tile, fp8_per_token
-from triton_kernels.attention import interpreting
-from triton_kernels.mx import (div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small, ftz_multiplier, mul_flushed, round_e2m1,
-                               round_e4m3)
-from triton_kernels.quantize import (FORMATS, K_TILE_MIN_PROGRAMS, MEAN_MIN_PROGRAMS, _nvfp4_s2, channel_mean,
-                                     channel_sums, dual_quantize, fp8_transpose, k_tile_tokens, mean_chunk,
-                                     mean_launches, quantize_grid, quantize_meta)
+from triton_kernels.format_table import FORMATS
+from triton_kernels.mx import div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small, mul_flushed, round_e2m1, round_e4m3
+from triton_kernels import plan as plans
+from triton_kernels.plan import Buffer, channel_mean_plan, ftz_multiplier, quantize_plan
+from triton_kernels.quantize import _nvfp4_s2
+from triton_kernels.target import Target, interpreting
+from triton_kernels.torch_executor import channel_mean, dual_quantize, fp8_transpose, target_of
+from triton_kernels.tuning import K_TILE_MIN_PROGRAMS, MEAN_MIN_PROGRAMS, k_tile_tokens, mean_chunk
 
 from conftest import HAS_CUDA, TRITON_39, compiler_env
 
@@ -187,9 +187,13 @@ def test_fold_products_flush_like_formats(fold, per_tile):
 def test_k_tile_tokens_keep_the_gpu_busy(shape, want):
     assert K_TILE_MIN_PROGRAMS == 512
     assert k_tile_tokens(shape) == want
-    assert quantize_grid(shape, per_tile=True) == (-(-shape[1] // want), shape[2], shape[0])
-    assert quantize_meta(shape[3], "mxfp8_e4m3", "nvfp4", True, codes=False, fp8=True, per_tile=True,
-                         tile_t=want)["TILE_T"] == want
+    launch = _quantize_launch(Target((9, 0)), shape=shape, codes=False, fp8=True, per_tile=True)
+    assert launch.grid == (-(-shape[1] // want), shape[2], shape[0]) and launch.meta["TILE_T"] == want
+
+
+def _quantize_launch(target, shape=(1, 64, 2, 128), **options):
+    """The dual-quantize launch that the plan makes for x of ``shape``."""
+    return quantize_plan(Buffer("x", shape, "bfloat16"), target, **options).launches[-1]
 
 
 def test_per_tile_programs_must_tile_the_tile():
@@ -309,12 +313,13 @@ def test_round_e2m1_against_ml_dtypes():
     np.testing.assert_array_equal(out.cpu().numpy().view(np.uint32), want.view(np.uint32))
 
 
-def test_quantize_meta_picks_the_conversion_instruction_on_gpus():
-    """Compiled for a GPU (the JAX lowering's default), the E4M3 rounding is the conversion
-    instruction; for Triton's interpreter, whose conversion does not round to nearest, it
-    is the emulation. The torch launcher asks for the latter exactly when interpreting."""
-    assert quantize_meta(128, "mxfp8_e4m3", "nvfp4", False, codes=False, fp8=True)["HW_CVT"] is True
-    assert quantize_meta(128, "mxfp8_e4m3", "nvfp4", False, codes=False, fp8=True, interpret=True)["HW_CVT"] is False
+def test_quantize_plan_picks_the_conversion_instruction_on_gpus():
+    """Planned for a GPU, the E4M3 rounding is the conversion instruction; for Triton's
+    interpreter, whose conversion does not round to nearest, it is the emulation. The
+    torch executor plans for the interpreter exactly when interpreting."""
+    assert _quantize_launch(Target((9, 0)), codes=False, fp8=True).meta["HW_CVT"] is True
+    assert _quantize_launch(Target.interpreter(), codes=False, fp8=True).meta["HW_CVT"] is False
+    assert target_of(torch.device(DEVICE)).interpret == interpreting()
 
 
 @triton.jit
@@ -326,8 +331,8 @@ def _mul_flushed_kernel(x_ptr, f, out_ptr, N: tl.constexpr, HW: tl.constexpr, FT
 def test_ftz_multiplier():
     assert all(ftz_multiplier(f) for f in (0.0, -0.0, 2.0**-126, 0.1275, -0.5, 1.0, -1.0))
     assert not any(ftz_multiplier(f) for f in (2.0**-127, -(2.0**-149), 1.0000001, -3.0, np.inf, np.nan))
-    assert quantize_meta(128, "mxfp8_e4m3", "nvfp4", False, codes=False, fp8=True, fold=0.1275)["FTZ_FOLD"] is True
-    assert quantize_meta(128, "mxfp8_e4m3", "nvfp4", False, codes=False, fp8=True, fold=3.0)["FTZ_FOLD"] is False
+    assert _quantize_launch(Target((9, 0)), codes=False, fp8=True, fold=0.1275).meta["FTZ_FOLD"] is True
+    assert _quantize_launch(Target((9, 0)), codes=False, fp8=True, fold=3.0).meta["FTZ_FOLD"] is False
 
 
 @pytest.mark.parametrize("f", [0.1275, -0.7, 1.0, 1, 0.0, 2.0**-126, 3.0, -2.5, 2.0**-127])
@@ -358,11 +363,13 @@ def test_mul_flushed_against_numpy(f):
 
 FOLD_ONE_PTX = """
 import re
-from benchmarks.quantize_instructions import compile_sm90
-from triton_kernels.quantize import quantize_meta
+from triton_kernels.aot import compile_launch
+from triton_kernels.plan import Buffer, quantize_plan
+from triton_kernels.target import Target
 
-meta = quantize_meta(128, "mxfp8_e4m3", "nvfp4", True, codes=False, fp8=True, per_tile=True, fold=1.0)
-ptx = compile_sm90(meta, fold=1)["ptx"]
+plan = quantize_plan(Buffer("x", (1, 256, 2, 128), "bfloat16"), Target((9, 0)), smooth=True, codes=False, fp8=True,
+                     per_tile=True, fold=1.0)
+ptx = compile_launch(plan, plan.launches[-1], {"x": "bfloat16"}, 90, specialised={"fold": 1})["ptx"]
 for reg in sorted(set(re.findall(r"mul[.]ftz[.]f32 %r[0-9]+, %r[0-9]+, (%r[0-9]+);", ptx))):
     print(re.search(rf"mov[.]b32 \\s*{reg}, ([^;]+);", ptx).group(1))
 """
@@ -459,15 +466,17 @@ def test_channel_mean_against_float64():
 
 @pytest.mark.parametrize("chunk", [16, 64])  # 13 partials (two steps of 8, padded) and 4
 def test_mean_formed_in_the_quantize_launch_has_channel_means_bits(chunk):
-    # K's path: dual_quantize adds channel_sums' partials up itself. Every output must
-    # equal the one quantized with channel_mean's mean (checked against float64 above,
-    # and the copies against dma_jax.formats in test_head_dim_128_smooth_k_and_half_dtypes).
+    # K's path: the quantize launch adds smooth-K's partial sums up itself. Every output
+    # must equal the one quantized with channel_mean's mean (checked against float64
+    # above, and the copies against dma_jax.formats in test_head_dim_128_smooth_k_and_half_dtypes).
     xt = torch.from_numpy(inputs("outliers", (2, 200, 2, 64), seed=9)).to(torch.bfloat16).to(DEVICE)
-    sums = channel_sums(xt, chunk=chunk)
-    assert sums.tokens == 200 and sums.parts.shape == (-(-200 // chunk), 2, 2, 64)
+    sums, launch = quantize_plan(Buffer("x", tuple(xt.shape), "bfloat16"), Target.interpreter(), smooth=True,
+                                 chunk=chunk).launches
+    assert sums.outputs[0].shape == (-(-200 // chunk), 2, 2, 64) and launch.args[1:4] == (
+        "x_sums", plans.Scalar(-(-200 // chunk), "i32"), plans.Scalar(200, "i32"))
     for mode in (dict(codes=True, fp8=False), dict(codes=False, fp8=True, per_tile=True)):
-        want = dataclasses.astuple(dual_quantize(xt, mean=channel_mean(xt, chunk=chunk), **mode))
-        got = dataclasses.astuple(dual_quantize(xt, mean=sums, **mode))
+        want = dual_quantize(xt, mean=channel_mean(xt, chunk=chunk), **mode)
+        got = dual_quantize(xt, smooth=True, chunk=chunk, **mode)
         for g, w in zip(got, want):
             assert (g is None) == (w is None)
             if g is not None:
@@ -483,19 +492,25 @@ def test_mean_formed_in_the_quantize_launch_has_channel_means_bits(chunk):
 def test_mean_chunk_keeps_the_gpu_busy(shape, want):
     assert MEAN_MIN_PROGRAMS == 64
     assert mean_chunk(shape) == want
-    plan = mean_launches(shape)
+    sums, _ = channel_mean_plan(Buffer("x", shape, "bfloat16")).launches
     n_chunks = -(-shape[1] // want)
-    assert plan.chunk == want and plan.n_chunks == n_chunks and plan.grid == (n_chunks, shape[2], shape[0])
-    assert plan.part_shape == (n_chunks, shape[0], shape[2], shape[3])
+    assert sums.args[3] == plans.Scalar(want, "i32") and sums.grid == (n_chunks, shape[2], shape[0])
+    assert sums.outputs[0].shape == (n_chunks, shape[0], shape[2], shape[3])
 
 
-def test_format_tables_agree():
-    for name, (e, m, emin, emax, vmax, block) in FORMATS.items():
-        f = JAX_FORMATS[name]
-        assert (f.exp_bits, f.man_bits, f.emin, f.emax, f.max_value, f.block) == (e, m, emin, emax, vmax, block)
+@pytest.mark.parametrize("name, element", [("mxfp8_e4m3", ml_dtypes.float8_e4m3fn),
+                                           ("mxfp8_e5m2", ml_dtypes.float8_e5m2),
+                                           ("mxfp4", ml_dtypes.float4_e2m1fn), ("nvfp4", ml_dtypes.float4_e2m1fn)])
+def test_format_table_against_ml_dtypes(name, element):
+    """The one format table (kernels, plan and dma_jax.formats read it) describes the
+    element types as ml_dtypes defines them."""
+    f, info = FORMATS[name], ml_dtypes.finfo(element)
+    assert (f.exp_bits, f.man_bits) == (info.nexp, info.nmant)
+    assert f.emin == info.minexp and f.emax == info.maxexp - 1 and f.max_value == float(info.max)
+    assert f.block == (16 if name == "nvfp4" else 32)
 
 
 def test_triton_kernels_never_import_jax():
-    code = "import sys, triton_kernels.quantize; sys.exit('jax' in sys.modules)"
+    code = "import sys, triton_kernels.plan, triton_kernels.torch_executor; sys.exit('jax' in sys.modules)"
     root = pathlib.Path(__file__).parents[1]
     assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0

@@ -82,7 +82,7 @@ def test_importing_jax_triton_leaves_triton_cache_dir_alone():
     jax-triton's import fails half-way (on CPU-only JAX it raises ImportError)."""
     import os
 
-    from dma_jax.kernels import import_jax_triton
+    from dma_jax.executor import import_jax_triton
 
     os.environ["TRITON_CACHE_DIR"] = "/tmp/dma-jax-triton-cache"
     try:

@@ -13,56 +13,34 @@ consumer warpgroups of 64 rows each plus one loader warpgroup (``gl.warp_special
   in flight (FA3's intra-warpgroup pipelining). The two warpgroups are
   independent, so while one runs its softmax (MUFU/FMA pipes) the other's MMAs
   keep the tensor cores busy. (Making them take strict turns issuing MMAs, FA3's
-  ping-pong, measured within ±4% either way on the H200: not kept.)
+  ping-pong, measured within ±4% either way on an H200: not kept.)
 
 Per key block the tile format (high or low copy) is chosen at run time from the
 sink / diagonal-band bounds, by indexing a two-slot shared-memory Q buffer, so
 the loop is the same for every run of tiles. Masks (causal edge, kv_len) are
 only applied in the blocks that need them (a second loop with MASK=True).
 
-The FP8 P·V (``pv="fp8"``) stays on the Triton kernel, which is faster there on
-the H200 (NOTES.md, session 10), as does head_dim 64.
+The FP8 P·V (``pv="fp8"``) stays on the Triton kernel, which measured faster there
+on an H200, as does head_dim 64 (``target.uses_sm90_kernel``).
 
-This module never imports JAX.
+Launched through ``plan``; this module holds kernel code only.
 """
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from .attention import check_extent, operands, query_blocks
+from .attention import key_runs
+from .geometry import TILE
 
-BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64
-HALF_M = 64
+BLOCK_M = gl.constexpr(128)  # query rows per program: two consumer warpgroups of 64, one tile
+_TILE = gl.constexpr(TILE)
 CONSUMER_WARPS = gl.constexpr(4)
 LOADER_WARPS = gl.constexpr(4)  # a whole warpgroup: 16-byte copies need few registers per thread
-
-
-@gluon.jit
-def _key_runs(p0, Lk, sink, diag, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(k1, k2, k3, kend) for the 128 query rows from p0: keys [0, k1) sink (high),
-    [k1, k2) low, [k2, k3) diagonal band (high), [k3, kend) low (non-causal);
-    the same bounds as the Triton kernel's, for a program of 128 rows."""
-    tq = gl.where(p0 < 0, -((127 - p0) // 128), p0 // 128)
-    kend = gl.cdiv(Lk, BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        kend = gl.maximum(gl.minimum(kend, gl.cdiv(p0 + 128, BLOCK_N) * BLOCK_N), 0)
-    end = gl.cdiv(kend, 128)
-    b1 = gl.minimum(sink, end)
-    b2 = gl.minimum(gl.maximum(b1, tq - diag + 1), end)
-    if CAUSAL:
-        b3 = end
-    else:
-        b3 = gl.minimum(gl.maximum(b2, tq + diag), end)
-    k1 = gl.minimum(b1 * 128, kend)
-    k2 = gl.minimum(b2 * 128, kend)
-    k3 = gl.minimum(b3 * 128, kend)
-    return k1, k2, k3, kend
 
 
 @gluon.jit
@@ -145,9 +123,9 @@ def _softmax(s, m_i, l_i, n0, k1, k2, k3, qh_t, ql_t, kh_ts, kl_ts, kts_base, p,
     operand, new row max, the rescale factor of the running sums, new row sum)."""
     # One scale per key tile for K's copy; with Q's token scale a row factor.
     if _is_low(n0, k1, k2, k3, HAS_LO):
-        row = ql_t * gl.load(kl_ts + kts_base + (n0 // 128) * HKV)
+        row = ql_t * gl.load(kl_ts + kts_base + (n0 // _TILE) * HKV)
     else:
-        row = qh_t * gl.load(kh_ts + kts_base + (n0 // 128) * HKV)
+        row = qh_t * gl.load(kh_ts + kts_base + (n0 // _TILE) * HKV)
     if MASK:
         # Scale before masking: a zero row factor times -inf would be NaN.
         s = s * row[:, None]
@@ -216,7 +194,7 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
         ql_t = gl.load(ql_ts + q_rows, mask=row_ok, other=1.0)
     else:
         ql_t = qh_t
-    kts_base = (b * gl.cdiv(Lk, 128)) * HKV + kvh
+    kts_base = (b * gl.cdiv(Lk, _TILE)) * HKV + kvh
 
     acc = gl.zeros([HALF, D], gl.float32, o_layout)
     m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
@@ -289,7 +267,7 @@ def _dma_attention_sm90_kernel(
     HAS_LO: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):
     """Operands as for ``attention._dma_attention_kernel``'s FP8 path; grid
-    (query blocks of 128, HQ, B), 4 warps (the first consumer) plus the workers."""
+    (query blocks of BLOCK_M, HQ, B), 4 warps (the first consumer) plus the workers."""
     if CAUSAL:
         # Longest tiles first across all heads of a batch item, as in
         # attention._dma_attention_kernel (which says why).
@@ -302,14 +280,14 @@ def _dma_attention_sm90_kernel(
         h = gl.program_id(1)
     b = gl.program_id(2)
     kvh = h // (HQ // HKV)
-    p0 = (block0 + m) * 128
-    k1, k2, k3, kend = _key_runs(p0, Lk, sink, diag, CAUSAL, BLOCK_N)
+    p0 = (block0 + m) * BLOCK_M
+    k1, k2, k3, kend = key_runs(p0, Lk, sink, diag, CAUSAL, BLOCK_M, BLOCK_N)
 
-    # Both Q copies of the program's 128 rows, [copy, row, D], copy 1 the low one.
+    # Both Q copies of the program's rows, [copy, row, D], copy 1 the low one.
     q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [4, 1], [1, 0])
     q_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(D, 128), element_bitwidth=8, rank=2)
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, 128, D], q_shared)
-    rows = (block0 + m) * 128 + gl.arange(0, 128, gl.SliceLayout(1, q_layout)) - q_offset
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, D], q_shared)
+    rows = p0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, q_layout)) - q_offset
     cols = gl.arange(0, D, gl.SliceLayout(0, q_layout))
     q_ok = ((rows >= 0) & (rows < Lq))[:, None]
     q_offs = ((b * Lq + rows) * HQ + h).to(gl.int64)[:, None] * D + cols[None, :]
@@ -347,41 +325,3 @@ def _dma_attention_sm90_kernel(
         (_loader, (k_smem, v_smem, k_ready, k_free, v_ready, v_free, kh_p, kl_p, v_ptr, kv_base,
                    Lk, HKV, k1, k2, k3, kend, D, BLOCK_N, STAGES, HAS_LO, LOADER_WARPS)),
     ], [CONSUMER_WARPS, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
-
-
-def applies(capability: tuple[int, int] | None, head_dim: int, dtype: str, pv_fp8: bool,
-            native: tuple[bool, bool]) -> bool:
-    """Whether a DMA call takes this kernel rather than the Triton one: an sm_90 GPU,
-    head_dim 128, bf16/fp16 V and P·V, Q·Kᵀ on the FP8 copies. Elsewhere the Triton
-    kernel measured as fast or faster on the H200 (NOTES.md, session 10)."""
-    return (capability == (9, 0) and head_dim == 128 and dtype in ("bfloat16", "float16") and not pv_fp8
-            and not any(native))
-
-
-def launch_meta(head_dim: int, causal: bool, has_lo: bool) -> dict:
-    """Constexpr arguments of ``_dma_attention_sm90_kernel``: 216 registers per
-    consumer thread and 64 per loader thread (one program of 384 threads per SM).
-    A third K/V slot measured +3% causal and -8% non-causal (H200, 8k and 16k,
-    head_dim 128, ``benchmarks/sm90_kernel.py``)."""
-    return dict(D=head_dim, BLOCK_N=128, STAGES=3 if causal else 2, CAUSAL=causal, HAS_LO=has_lo, CONSUMER_REGS=216,
-                LOADER_REGS=64)
-
-
-def sm90_attention(q8, k8, v: torch.Tensor, *, q_len: int, causal: bool, q_offset: int, diag: int, sink: int,
-                   has_lo: bool = True, **tuning) -> torch.Tensor:
-    """Launch the Gluon kernel on the FP8 copies of ``DualQuantized`` Q and K (K's
-    per 128-key tile) and V ``[B, Lk, HKV, D]`` (bf16/fp16). ``tuning`` overrides
-    ``launch_meta``'s constexprs (``STAGES``, ...) for the benchmarks."""
-    b, kv_len, hkv, d = v.shape
-    check_extent(kv_len, hkv, d)
-    if v.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"the sm_90 kernel takes bf16 or fp16 V; got {v.dtype}")
-    qa, ka = operands(q8), operands(k8)
-    hq = q8.hi_ts.shape[2]
-    n_m, block0 = query_blocks(q_len, q_offset, BLOCK_M)
-    out = torch.empty((b, q_len, hq, d), dtype=v.dtype, device=v.device)
-    _dma_attention_sm90_kernel[(n_m, hq, b)](
-        *qa[5:], *ka[5:], v, q_len, kv_len, hq, hkv, q_offset, block0, diag, sink, out,
-        **{**launch_meta(d, causal, has_lo), **tuning}, num_warps=4,
-    )
-    return out

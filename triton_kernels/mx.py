@@ -1,14 +1,20 @@
 """MX / NVFP4 element arithmetic shared by the Triton kernels (encode and decode).
 
 Everything is integer bit manipulation or exact float32 arithmetic, so the kernels
-reproduce ``dma_jax.formats`` bit for bit (DESIGN.md §3.1).
+reproduce ``dma_jax.formats`` bit for bit (docs/design.md, "Formats").
 """
 
-import numpy as np
 import triton
 import triton.language as tl
 
+from .format_table import E4M3
+
 FLOAT32_NORMAL_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126
+# E4M3's element parameters, readable inside @triton.jit functions.
+E4M3_EXP_BITS = tl.constexpr(E4M3.exp_bits)
+E4M3_MAN_BITS = tl.constexpr(E4M3.man_bits)
+E4M3_EMIN = tl.constexpr(E4M3.emin)
+E4M3_MAX = tl.constexpr(E4M3.max_value)
 
 @triton.jit
 def pow2(e):
@@ -40,7 +46,8 @@ def mul_flushed(x, f, HW: tl.constexpr, FTZ_MUL: tl.constexpr):
     nothing there: |x · f| <= |x| is subnormal or zero anyway, and flushing x first
     gives the same signed zero. Otherwise the multiply and an ``add.ftz`` of -0
     (a subnormal sum becomes a zero of its sign; -0 keeps every other value, zeros'
-    signs included). Triton's interpreter has no inline PTX and keeps the select."""
+    signs included). Triton's interpreter has no inline PTX and keeps the select.
+    ``plan.ftz_multiplier`` decides FTZ_MUL on the host."""
     if HW and FTZ_MUL:
         # A cast, not f itself: jax-triton passes a scalar equal to 1 as the integer
         # constant 1, whose bits the instruction would read as a float (1.4e-45).
@@ -53,21 +60,12 @@ def mul_flushed(x, f, HW: tl.constexpr, FTZ_MUL: tl.constexpr):
         return flush_subnormals(x * f)
 
 
-def ftz_multiplier(f: float) -> bool:
-    """Whether ``mul_flushed`` may multiply by float32 ``f`` with ``mul.ftz``: f is
-    zero or a normal float of magnitude at most 1 (a subnormal f would be flushed
-    too, and |f| > 1 can lift a subnormal x into the normal range)."""
-    a = abs(float(np.float32(f)))
-    return a == 0.0 or 2.0**-126 <= a <= 1.0
-
-
 @triton.jit
 def div_by(a, b, rb):
     """``div_rn(a, b)`` for b > 0 whose reciprocal ``rb = div_rn(1, b)`` is a normal
     float, in one multiply and two FMAs (Markstein's correction) instead of a full
     division per element. The result is the correctly rounded quotient wherever that
-    is a normal float (no mismatch in 1.2e8 random pairs shaped like the quantizer's,
-    NOTES.md). Elsewhere it is at most 2^-126 in magnitude, and the sign of a zero
+    is a normal float (no mismatch in 1.2e8 random pairs shaped like the quantizer's). Elsewhere it is at most 2^-126 in magnitude, and the sign of a zero
     quotient may be lost: every caller rounds such values to zero and takes the sign
     from the dividend. A non-finite a gives a non-finite result (NaN where a division
     gives Inf), which callers zero like any non-finite value."""
@@ -118,8 +116,17 @@ def round_to_element(v, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, MAX_VALUE: t
 
 
 @triton.jit
+def round_to_e4m3_emulated(v):
+    """Nearest E4M3 value of finite v, ties to even, saturating at 448, in exact
+    float32 arithmetic (what Triton's interpreter needs; see ``round_e4m3``)."""
+    # .value: Triton's interpreter passes a constexpr global on as a constexpr, which
+    # arithmetic with a tensor would wrap instead of computing.
+    return round_to_element(v, E4M3_MAN_BITS.value, E4M3_EMIN.value, E4M3_MAX.value)
+
+
+@triton.jit
 def round_e4m3(v, HW: tl.constexpr):
-    """``round_to_element(v, 3, -6, 448.0)`` for finite v. HW (a GPU; sm_89+): the
+    """``round_to_e4m3_emulated(v)`` for finite v. HW (a GPU; sm_89+): the
     conversion instruction (``cvt.rn.satfinite.e4m3x2.f32``: nearest, ties to even,
     E4M3 subnormals included, saturating at 448, signed zeros kept) instead of about a
     dozen integer-pipe instructions, the quantizer's bottleneck. Triton's interpreter
@@ -127,7 +134,7 @@ def round_e4m3(v, HW: tl.constexpr):
     if HW:
         return v.to(tl.float8e4nv).to(tl.float32)
     else:
-        return round_to_element(v, 3, -6, 448.0)
+        return round_to_e4m3_emulated(v)
 
 
 @triton.jit
@@ -141,7 +148,7 @@ def round_e2m1(v, sign_of):
     rounds there, half to even. From 1 to 6, Veltkamp's splitting
     ``g = a·(2^22 + 1); a_2 = g + (a − g)`` rounds a to two significant bits, which is
     E2M1's rounding (nearest, ties to even). Both checked on every float32 of their
-    range against ml_dtypes (NOTES.md). ``g`` is an explicit FMA so that ``a − g``
+    range against ml_dtypes. ``g`` is an explicit FMA so that ``a − g``
     cannot be contracted with the product."""
     a = tl.minimum(tl.abs(v), 6.0)
     halves = (a + 6291456.0) - 6291456.0
@@ -154,8 +161,8 @@ def round_e2m1(v, sign_of):
 @triton.jit
 def e4m3_code(r):
     """E4M3 bit pattern (uint8) of r, which must already be an E4M3 value (rounded by
-    ``round_to_element(v, 3, -6, 448.0)`` or the fixed-quantum rounding below): as
-    ``element_code(r, 4, 3, -6)``, but the conversion has nothing to round, so it is
+    ``round_to_e4m3_emulated`` or the fixed-quantum rounding below): as
+    ``element_code`` with E4M3's parameters, but the conversion has nothing to round, so it is
     exact whatever rounding a backend uses, and on sm_89+ it is one instruction per
     two elements instead of a dozen integer operations per element."""
     return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
@@ -168,7 +175,7 @@ def e4m3_bytes(v, HW: tl.constexpr):
     if HW:
         return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        return e4m3_code(round_to_element(v, 3, -6, 448.0))
+        return e4m3_code(round_to_e4m3_emulated(v))
 
 
 @triton.jit

@@ -1,14 +1,15 @@
-"""Fused dual quantization of Q or K into a high (MXFP8) and a low (NVFP4/MXFP4) copy.
+"""Fused dual quantization of Q or K into a high (MXFP8) and a low (NVFP4/MXFP4) copy,
+and the channel reductions around it.
 
 One program quantizes ``BLOCK_T`` tokens of one (batch, head) at a time: it
 reads the bf16/fp16 tile once, optionally subtracts K's per-channel mean
 (smooth-K) and multiplies by the folded softmax scale (Q), then writes both
 copies with their scale bytes and, for NVFP4, the float32 per-token scale. For
-sm_90 it writes E4M3 copies instead; K's share one scale per 128-key tile, so a
+sm_90 it writes E4M3 copies instead; K's share one scale per ``TILE`` keys, so a
 K program first reads its whole tile for the scale (the tile's largest element,
 ``_tile_references``) and then quantizes its share of it. The numerics are those
-of ``dma_jax.formats`` (DESIGN.md §3.1) bit for bit, with arithmetic chosen to
-keep the GPU's integer pipe free (``mx``): E2M1 elements round by float32 tricks
+of ``dma_jax.formats`` bit for bit, with arithmetic chosen to keep the GPU's
+integer pipe free (``mx``): E2M1 elements round by float32 tricks
 (``round_e2m1``), E4M3 values on a GPU by the conversion instruction, which rounds
 to nearest even with saturation as the formats do (``round_e4m3``; Triton's
 interpreter, whose conversion does not, keeps an exact emulation), and NVFP4's
@@ -17,35 +18,35 @@ divisions by a reciprocal with Markstein's correction (``div_by``), equal to
 flush after it are one FTZ instruction on a GPU (``mul_flushed``).
 
 Smooth-K needs the mean over all valid tokens before any tile can be quantized,
-so a reduction launch first writes per-chunk partial sums (``channel_sums``), and
-each K program adds them up itself (``_channel_total``, in a fixed order); K is read
-twice.
+so a reduction launch first writes per-chunk partial sums
+(``_channel_reduce_kernel``), and each K program adds them up itself
+(``_channel_total``, in a fixed order); K is read twice.
 
-This module imports torch and triton only, never JAX.
+Launched through ``plan``; this module holds kernel code only.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import NamedTuple
-
 import numpy as np
-import torch
 import triton
 import triton.language as tl
 
-from .attention import TILE, interpreting
-from .mx import (abs_max, div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small, element_code, exponent,
-                 flush_subnormals, ftz_multiplier, mul_flushed, nan_max, pow2, round_e2m1, round_e4m3, round_to_element)
+from .format_table import NVFP4_TOKEN_DIVISOR
+from .geometry import TILE
+from .mx import (E4M3_EMIN, E4M3_EXP_BITS, E4M3_MAN_BITS, abs_max, div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small,
+                 element_code, exponent, flush_subnormals, mul_flushed, nan_max, pow2, round_e2m1, round_e4m3,
+                 round_to_e4m3_emulated, round_to_element)
 
-# Element formats: (exponent bits, mantissa bits, emin, emax, max value, block).
-# Kept in step with dma_jax.formats.FORMATS (a test checks it).
-FORMATS = {
-    "mxfp8_e4m3": (4, 3, -6, 8, 448.0, 32),
-    "mxfp8_e5m2": (5, 2, -14, 15, 57344.0, 32),
-    "mxfp4": (2, 1, 0, 2, 6.0, 32),
-    "nvfp4": (2, 1, 0, 2, 6.0, 16),
-}
+# _nvfp4_s2: the divisor, fl(1/divisor), and the smallest token amax whose s2 is a
+# normal float.
+_NVFP4_DIVISOR = tl.constexpr(NVFP4_TOKEN_DIVISOR)
+_RCP_NVFP4_DIVISOR = tl.constexpr(float(np.float32(1.0) / np.float32(NVFP4_TOKEN_DIVISOR)))
+_S2_NORMAL_FROM = tl.constexpr(NVFP4_TOKEN_DIVISOR * 2.0**-126)
+# Partials that _channel_total requests at once: one load per step made the total a
+# chain of L2 round trips.
+_SUM_STEP = tl.constexpr(8)
+# K's FP8 scale tile, readable inside @triton.jit functions.
+_SCALE_TILE = tl.constexpr(TILE)
 
 
 @triton.jit
@@ -57,7 +58,7 @@ def _nvfp4_s2(amax):
     ``div_by`` with the rounded reciprocal of 2688 gives it correctly rounded in three
     instructions instead of a full division; below, the division's result is flushed to
     0. Inf and NaN keep the division's results (Inf, NaN)."""
-    q = div_by(amax, 2688.0, _RCP_2688)
+    q = div_by(amax, _NVFP4_DIVISOR, _RCP_NVFP4_DIVISOR)
     return tl.where(amax >= _S2_NORMAL_FROM, tl.where(amax < float("inf"), q, amax), tl.where(amax == amax, 0.0, amax))
 
 
@@ -170,7 +171,7 @@ def _quantize_tile(
     read) and, unless PER_TILE (the caller stores the tile's scale), its token scales.
     """
     NB: tl.constexpr = D // BLOCK
-    E4M3: tl.constexpr = MAN_BITS == 3 and EMIN == -6  # MXFP8's default elements
+    E4M3: tl.constexpr = MAN_BITS == E4M3_MAN_BITS.value and EMIN == E4M3_EMIN.value  # MXFP8's default elements
     # The NVFP4 FP8 copy alone zeroes its non-finite blocks through the signs (where
     # the GPU's conversion does not already make their rows NaN: _fp8_copy).
     ZERO_SIGNS: tl.constexpr = NVFP4 and not WRITE_CODES and not (PER_TILE and HW_CVT)
@@ -187,9 +188,9 @@ def _quantize_tile(
         # A subnormal s2 counts as an all-zero token (as in dma_jax.formats).
         s2 = _nvfp4_s2(nan_max(amax, 1))
         s2 = tl.where(s2 == 0, 1.0, s2)
-        sb_f = tl.math.div_rn(amax, 6.0 * s2[:, None])
+        sb_f = tl.math.div_rn(amax, MAX_VALUE * s2[:, None])
         finite = (sb_f == sb_f) & (tl.abs(sb_f) < float("inf"))
-        sb = round_to_element(tl.where(finite, sb_f, 0.0), 3, -6, 448.0)
+        sb = round_to_e4m3_emulated(tl.where(finite, sb_f, 0.0))
         usable = finite & (sb > 0)
         sb_b = tl.where(usable, sb, 1.0)[:, :, None]
         # x / s2 / sb, each division correctly rounded (the reference's two steps)
@@ -213,7 +214,7 @@ def _quantize_tile(
             # cost an instruction per element.
             keep = tl.where(finite, 0x80000000, 0).to(tl.uint32)
             sign = (xb.to(tl.uint32, bitcast=True) & keep[:, :, None]).to(tl.float32, bitcast=True)
-        scale_code = tl.where(finite, element_code(sb, 4, 3, -6), 0x7F)
+        scale_code = tl.where(finite, element_code(sb, E4M3_EXP_BITS.value, E4M3_MAN_BITS.value, E4M3_EMIN.value), 0x7F)
         block_exp = scale_code  # unused for NVFP4
         if WRITE_CODES:
             tl.store(token_ptr + rows, s2, mask=mask)
@@ -370,7 +371,7 @@ def _dual_quantize_kernel(
     attention tile), written to ``*_ts`` as [B, cdiv(L, TILE), H] by the tile's first
     program. Each program first finds its tile's scale (``_tile_references``, a pass
     over the whole tile), so TILE_T < TILE splits a tile's copies over more programs at
-    the price of repeating that pass (``k_tile_tokens``). WRITE_LO=False skips the low
+    the price of repeating that pass (``tuning.k_tile_tokens``). WRITE_LO=False skips the low
     copy (every pair is high precision)."""
     pid_t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = tl.arange(0, D)
@@ -477,254 +478,3 @@ def _fp8_transpose_kernel(x_ptr, part_ptr, L, H, N_CHUNKS, xt_ptr, scale_ptr,
     tl.store(xt_ptr + ((b * H + h) * D + cols)[:, None] * LP + t[None, :], codes, mask=(t < LP)[None, :])
     scale = tl.where(finite, pow2(t_exp), float("nan"))
     tl.store(scale_ptr + (b * H + h) * D + cols, scale, mask=(cols + pid_t * D) < D)  # first program only
-
-
-@dataclasses.dataclass
-class DualQuantized:
-    """Both copies of one tensor ``[B, L, H, D]``; a field is None when not written.
-
-    codes/scales (uint8) feed ``tl.dot_scaled``; ``*_f8`` (E4M3 bytes) and ``*_ts``
-    (float32 per token ``[B, L, H]``, or per 128-token tile ``[B, cdiv(L, 128), H]``
-    when quantized with ``per_tile``) are the FP8 copies the sm_90 kernel reads.
-    """
-
-    hi_codes: torch.Tensor | None  # [B, L, H, D]
-    hi_scales: torch.Tensor | None  # [B, L, H, D // 32], E8M0
-    lo_codes: torch.Tensor | None  # [B, L, H, D // 2], packed E2M1
-    lo_scales: torch.Tensor | None  # [B, L, H, D // block], E4M3 (nvfp4) or E8M0 (mxfp4)
-    lo_token_scale: torch.Tensor | None  # float32 [B, L, H] for nvfp4
-    hi_f8: torch.Tensor | None = None  # [B, L, H, D], E4M3 bytes
-    hi_ts: torch.Tensor | None = None  # float32 [B, L, H]
-    lo_f8: torch.Tensor | None = None
-    lo_ts: torch.Tensor | None = None
-
-
-# Launch settings (measured on the H200, see NOTES.md). Kernel parameters are
-# ordered inputs and scalars first, then outputs, then constexprs: the order
-# jax-triton uses, so the torch launchers and the JAX lowering share one kernel.
-QUANTIZE_BLOCK_T = 16
-QUANTIZE_WARPS = 4
-# Tokens per program of the channel reductions (smooth-K mean, V's amax), largest
-# first: a short sequence takes smaller chunks so that the launch still has
-# MEAN_MIN_PROGRAMS programs. Since the partials reduce over tokens once per chunk
-# (session 13), 256 tokens are fastest from 2k tokens on and 128 at 1k (H200, 8 kv
-# heads, mean in µs at 256 / 128 / 64: 1k 4.5 / 4.2 / 4.6, 2k 4.9 / 5.0 / 6.4,
-# 8k 7.8 / 10.9 / 16.8; NOTES.md).
-MEAN_CHUNKS = (256, 128, 64)
-MEAN_MIN_PROGRAMS = 64
-MEAN_BLOCK_T = 64
-# _nvfp4_s2: fl(1/2688), and the smallest token amax whose s2 is a normal float.
-_RCP_2688 = tl.constexpr(float(np.float32(1.0) / np.float32(2688.0)))
-_S2_NORMAL_FROM = tl.constexpr(2688.0 * 2.0**-126)
-# Partials that _channel_total requests at once.
-_SUM_STEP = tl.constexpr(8)
-# Tokens per program of K's per-tile FP8 copies, largest first. Every program passes
-# over its whole 128-token tile for the scale, so splitting a tile repeats that pass:
-# worth it only where whole tiles give too few programs (H200, 8 kv heads, µs: 1k
-# tokens 8.8 -> 5.8 with 32, 4k 11.8 -> 11.4 with 64, 8k 18.5 with 128 but 21.4 with
-# 64; benchmarks/quantize.py, NOTES.md, session 13).
-K_TILE_TOKENS = (128, 64, 32)
-K_TILE_MIN_PROGRAMS = 512
-# K's FP8 scale tile for the kernels, which read only constexpr globals.
-_SCALE_TILE = tl.constexpr(TILE)
-TRANSPOSE_BLOCK_T = 64
-
-
-def _tokens_per_program(shape: tuple[int, ...], choices: tuple[int, ...], min_programs: int) -> int:
-    """The largest of ``choices`` (largest first) that splits x ``[B, L, H, D]`` into at
-    least ``min_programs`` programs over (tokens, head, batch), else the smallest."""
-    b, l, h, _ = shape
-    return next((c for c in choices if triton.cdiv(l, c) * h * b >= min_programs), choices[-1])
-
-
-def mean_chunk(shape: tuple[int, ...]) -> int:
-    """Tokens per program of the channel reductions of x ``[B, L, H, D]``."""
-    return _tokens_per_program(shape, MEAN_CHUNKS, MEAN_MIN_PROGRAMS)
-
-
-class MeanLaunches(NamedTuple):
-    """The channel reductions of x ``[B, L, H, D]``: partial sums (or amaxes) over
-    chunks of tokens, then their combination (the FP8 transpose uses ``transpose_grid``)."""
-
-    grid: tuple[int, int, int]  # of the partials
-    mean_grid: tuple[int, int]
-    part_shape: tuple[int, int, int, int]
-    n_chunks: int
-    chunk: int  # tokens per partial
-
-
-def mean_launches(shape: tuple[int, ...], chunk: int | None = None) -> MeanLaunches:
-    """The reductions' launch plan; ``chunk`` defaults to ``mean_chunk(shape)``."""
-    b, l, h, d = shape
-    if chunk is None:
-        chunk = mean_chunk(shape)
-    n_chunks = triton.cdiv(l, chunk)
-    return MeanLaunches((n_chunks, h, b), (h, b), (n_chunks, b, h, d), n_chunks, chunk)
-
-
-def k_tile_tokens(shape: tuple[int, ...]) -> int:
-    """Tokens per program of x ``[B, L, H, D]``'s per-tile FP8 copies."""
-    return _tokens_per_program(shape, K_TILE_TOKENS, K_TILE_MIN_PROGRAMS)
-
-
-def padded_length(length: int) -> int:
-    """The row length of V's transposed FP8 copy: a multiple of 16 bytes."""
-    return -(-length // 16) * 16
-
-
-def transpose_grid(shape: tuple[int, ...]) -> tuple[int, int, int]:
-    b, l, h, _ = shape
-    return (triton.cdiv(l, TRANSPOSE_BLOCK_T), h, b)
-
-
-def quantize_meta(head_dim: int, high: str, low: str, smooth: bool, *, codes: bool, fp8: bool,
-                  write_lo: bool = True, per_tile: bool = False, tile_t: int = TILE,
-                  block_t: int = QUANTIZE_BLOCK_T, interpret: bool = False, fold: float = 1.0) -> dict:
-    """Constexpr arguments of ``_dual_quantize_kernel``; ``tile_t``: tokens per
-    program with ``per_tile`` (``k_tile_tokens``); ``interpret``: for Triton's
-    interpreter (emulated E4M3 rounding instead of the GPU's conversion instruction);
-    ``fold``: the launch's fold, which picks how it is multiplied in (``mx.mul_flushed``)."""
-    if per_tile and not fp8:
-        raise ValueError("per_tile scales belong to the FP8 copies: it needs fp8=True")
-    if per_tile and (TILE % tile_t or tile_t % block_t):
-        raise ValueError(f"per_tile programs take a multiple of block_t={block_t} tokens that divides {TILE}, "
-                         f"got tile_t={tile_t}")
-    hi, lo = FORMATS[high], FORMATS[low]
-    return dict(TILE_T=tile_t if per_tile else block_t, PER_TILE=per_tile,
-        D=head_dim, BLOCK_T=block_t, SMOOTH=smooth, WRITE_CODES=codes, WRITE_FP8=fp8, WRITE_LO=write_lo,
-        HI_E=hi[0], HI_M=hi[1], HI_EMIN=hi[2], HI_EMAX=hi[3], HI_MAX=hi[4], HI_BLOCK=hi[5],
-        LO_E=lo[0], LO_M=lo[1], LO_EMIN=lo[2], LO_EMAX=lo[3], LO_MAX=lo[4], LO_BLOCK=lo[5],
-        LO_NVFP4=low == "nvfp4", HW_CVT=not interpret, FTZ_FOLD=ftz_multiplier(fold),
-    )
-
-
-def written_outputs(low: str, *, codes: bool, fp8: bool, write_lo: bool = True) -> list[bool]:
-    """Which of the nine outputs of ``_dual_quantize_kernel`` a launch writes."""
-    lo_codes, lo_fp8 = codes and write_lo, fp8 and write_lo
-    return [codes, codes, lo_codes, lo_codes, lo_codes and low == "nvfp4", fp8, fp8, lo_fp8, lo_fp8]
-
-
-def quantize_outputs(shape: tuple[int, ...], high: str, low: str, *, codes: bool, fp8: bool,
-                     write_lo: bool = True, per_tile: bool = False) -> list[tuple[tuple[int, ...], str]]:
-    """(shape, dtype name) of the nine outputs: hi codes, hi scales, lo codes, lo
-    scales, lo per-token scale (nvfp4), hi E4M3 copy, hi FP8 scale, lo E4M3 copy,
-    lo FP8 scale. The FP8 scales are per token ``[B, L, H]``, or with ``per_tile``
-    per 128-token tile ``[B, cdiv(L, 128), H]``. Outputs that are not written are
-    one-element placeholders."""
-    b, l, h, d = shape
-    ts = (b, triton.cdiv(l, TILE) if per_tile else l, h)
-    full = [
-        ((b, l, h, d), "uint8"),
-        ((b, l, h, d // FORMATS[high][5]), "uint8"),
-        ((b, l, h, d // 2), "uint8"),
-        ((b, l, h, d // FORMATS[low][5]), "uint8"),
-        ((b, l, h), "float32"),
-        ((b, l, h, d), "uint8"),
-        (ts, "float32"),
-        ((b, l, h, d), "uint8"),
-        (ts, "float32"),
-    ]
-    flags = written_outputs(low, codes=codes, fp8=fp8, write_lo=write_lo)
-    return [(s, t) if w else ((1,), t) for (s, t), w in zip(full, flags)]
-
-
-def quantize_grid(shape: tuple[int, ...], block_t: int = QUANTIZE_BLOCK_T, per_tile: bool = False,
-                  tile_t: int | None = None) -> tuple[int, int, int]:
-    """The grid of ``_dual_quantize_kernel`` for x ``shape``; ``tile_t`` as for
-    ``quantize_meta``, by default ``k_tile_tokens(shape)``."""
-    b, l, h, _ = shape
-    if per_tile:
-        return (triton.cdiv(l, k_tile_tokens(shape) if tile_t is None else tile_t), h, b)
-    return (triton.cdiv(l, block_t), h, b)
-
-
-def _channel_partials(x: torch.Tensor, amax: bool, chunk: int | None = None):
-    b, l, h, d = x.shape
-    plan = mean_launches(x.shape, chunk)
-    parts = torch.empty(plan.part_shape, dtype=torch.float32, device=x.device)
-    _channel_reduce_kernel[plan.grid](x, l, h, plan.chunk, parts, D=d, BLOCK_T=MEAN_BLOCK_T, AMAX=amax)
-    return parts, plan.n_chunks
-
-
-class ChannelSums(NamedTuple):
-    """K's channel mean as ``dual_quantize`` takes it unreduced: float32 partial sums
-    ``[n, B, H, D]`` over chunks of tokens, and the token count they divide by."""
-
-    parts: torch.Tensor
-    tokens: int
-
-
-def channel_sums(x: torch.Tensor, chunk: int | None = None) -> ChannelSums:
-    """The partial sums of ``x [B, L, H, D]`` over ``chunk`` tokens each (by default
-    ``mean_chunk``; one launch): ``dual_quantize(mean=...)`` forms the mean from them
-    in the launch that quantizes, the same bits as ``channel_mean``."""
-    return ChannelSums(_channel_partials(x, False, chunk)[0], x.shape[1])
-
-
-def channel_mean(x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
-    """Float32 mean of ``x [B, L, H, D]`` over L, shape ``[B, H, D]`` (deterministic;
-    ``chunk`` tokens per partial sum, by default ``mean_chunk``)."""
-    b, l, h, d = x.shape
-    parts, n_chunks = _channel_partials(x, False, chunk)
-    mean = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
-    _channel_mean_kernel[(h, b)](parts, l, h, n_chunks, mean, D=d)
-    return mean
-
-
-def fp8_transpose(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 bytes of ``x [B, L, H, D]`` transposed to ``[B, H, D, LP]`` (LP =
-    ``padded_length(L)``; the padding columns hold zeros) and the float32
-    per-channel scales ``[B, H, D]`` (two launches)."""
-    if not x.is_contiguous():
-        raise ValueError("fp8_transpose needs a contiguous [B, L, H, D] tensor")
-    b, l, h, d = x.shape
-    parts, n_chunks = _channel_partials(x, True)
-    xt = torch.empty((b, h, d, padded_length(l)), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((b, h, d), dtype=torch.float32, device=x.device)
-    _fp8_transpose_kernel[transpose_grid(x.shape)](x, parts, l, h, n_chunks, xt, scale,
-                                                   D=d, BLOCK_T=TRANSPOSE_BLOCK_T, HW_CVT=not interpreting())
-    return xt, scale
-
-
-def dual_quantize(
-    x: torch.Tensor,
-    *,
-    high: str = "mxfp8_e4m3",
-    low: str = "nvfp4",
-    fold: float = 1.0,
-    mean: torch.Tensor | ChannelSums | None = None,
-    codes: bool = True,
-    fp8: bool = False,
-    write_lo: bool = True,
-    per_tile: bool = False,
-    tile_t: int | None = None,
-    block_t: int = QUANTIZE_BLOCK_T,
-    num_warps: int = QUANTIZE_WARPS,
-) -> DualQuantized:
-    """Quantize ``(x - mean) * fold`` into ``high`` and ``low`` in one launch.
-
-    x: bf16/fp16/fp32 ``[B, L, H, D]``, contiguous. ``mean`` (smooth-K): float32
-    ``[B, H, D]``, or ``channel_sums(x)``, from which the launch forms the mean; None
-    for no smoothing. ``fold`` is rounded to float32 (the folded softmax scale for Q).
-    ``codes`` writes codes and scales, ``fp8`` the E4M3 copies, with one scale per
-    token or, with ``per_tile`` (K on sm_90), per 128-token tile
-    (``dma_jax.formats.fp8_per_tile``); ``write_lo=False`` skips the low copy.
-    ``tile_t``: tokens per program with ``per_tile``, by default ``k_tile_tokens``.
-    """
-    if not x.is_contiguous():
-        raise ValueError("dual_quantize needs a contiguous [B, L, H, D] tensor")
-    b, l, h, d = x.shape
-    tile_t = k_tile_tokens(x.shape) if tile_t is None else tile_t
-    meta = quantize_meta(d, high, low, mean is not None, codes=codes, fp8=fp8, write_lo=write_lo,
-                         per_tile=per_tile, tile_t=tile_t, block_t=block_t, interpret=interpreting(), fold=fold)
-    spec = quantize_outputs(x.shape, high, low, codes=codes, fp8=fp8, write_lo=write_lo, per_tile=per_tile)
-    outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=x.device) for shape, dtype in spec]
-    if isinstance(mean, torch.Tensor):
-        mean = ChannelSums(mean[None], 1)  # one partial, divided by 1: the mean exactly
-    shift = (x, 1, 1) if mean is None else (mean.parts, mean.parts.shape[0], mean.tokens)
-    _dual_quantize_kernel[quantize_grid(x.shape, block_t, per_tile, tile_t)](
-        x, *shift, float(torch.tensor(fold, dtype=torch.float32)), l, h, *outs,
-        **meta, num_warps=num_warps,
-    )
-    flags = written_outputs(low, codes=codes, fp8=fp8, write_lo=write_lo)
-    return DualQuantized(*[o if w else None for o, w in zip(outs, flags)])

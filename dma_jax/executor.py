@@ -1,0 +1,111 @@
+"""Runs launch plans (``triton_kernels.plan``) inside JAX programs: the CUDA lowering of
+``dma_attention``. Triton kernels go through jax-triton's ``triton_call``, the Gluon
+kernel through ``gluon_call``. jax-triton has no dtype for float8/E8M0/FP4, so codes
+and scales travel as uint8.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from triton_kernels import plan as plans
+from triton_kernels.plan import Buffer, Launch, Plan, Scalar
+from triton_kernels.target import Target
+
+from .config import DMAConfig
+
+__all__ = ["attention_plan", "gpu_target", "import_jax_triton", "input_attention_plan", "run", "triton_attention",
+           "triton_input_attention"]
+
+
+def import_jax_triton():
+    """Import jax_triton, undoing its blanking of TRITON_CACHE_DIR.
+
+    jax-triton 0.3.1 sets ``TRITON_CACHE_DIR=""`` on import, after which any
+    Triton launch from torch in the same process fails with "Could not create
+    or locate cache dir"; the previous value (or Triton's default) is restored.
+    """
+    before = os.environ.get("TRITON_CACHE_DIR")
+    try:
+        import jax_triton
+    finally:  # also when it fails half-way (on a JAX without GPU support)
+        if before:
+            os.environ["TRITON_CACHE_DIR"] = before
+        else:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+    return jax_triton
+
+
+def gpu_target() -> Target:
+    """The compute capability of JAX's first GPU (None without one)."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus or not hasattr(gpus[0], "compute_capability"):
+        return Target(None)
+    major, minor = str(gpus[0].compute_capability).split(".")
+    return Target((int(major), int(minor)))
+
+
+def buffer(name: str, x: Any) -> Buffer:
+    """The plan's description of array ``x`` (a ``jax.Array`` or a tracer)."""
+    return Buffer(name, tuple(x.shape), jnp.dtype(x.dtype).name)
+
+
+def _argument(arg: str | Scalar, env: dict[str, Any]) -> Any:
+    if isinstance(arg, Scalar):
+        return np.float32(arg.value) if arg.dtype == "fp32" else int(arg.value)
+    return env[arg]
+
+
+def run(launches: tuple[Launch, ...] | list[Launch], env: dict[str, Any]) -> dict[str, Any]:
+    """Stage each of ``launches`` in order on the arrays of ``env`` (buffer name ->
+    array, the call's inputs and earlier outputs); returns ``env`` with every
+    launch's outputs added."""
+    from .gluon_call import gluon_call
+
+    triton_call = import_jax_triton().triton_call
+    env = dict(env)
+    for launch in launches:
+        out_shape = [jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs]
+        args = [_argument(a, env) for a in launch.args]
+        if launch.gluon:
+            outs = gluon_call(*args, kernel=launch.kernel, out_shape=out_shape, grid=launch.grid,
+                              num_warps=launch.num_warps, **launch.meta)
+        else:
+            outs = triton_call(*args, kernel=launch.kernel, out_shape=out_shape, grid=launch.grid,
+                               num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.meta)
+        env.update((o.name, x) for o, x in zip(launch.outputs, outs))
+    return env
+
+
+def attention_plan(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int, target: Target | None = None,
+                   **overrides: Any) -> Plan:
+    """The launches of ``dma_attention`` on JAX's GPU (or ``target``) for arrays shaped
+    like ``q``, ``k``, ``v``; ``overrides`` as for ``plan.attention_plan``."""
+    return plans.attention_plan(buffer("q", q), buffer("k", k), buffer("v", v), target or gpu_target(),
+                                causal=causal, q_offset=q_offset, **config.kernel_options(q.shape[3]), **overrides)
+
+
+def triton_attention(q, k, v, *, causal: bool, config: DMAConfig, q_offset: int):
+    """DMA through the Triton kernels; same contract as ``reference.dma_reference``
+    (with ``operands="fp8"`` for the tiles that are not native)."""
+    plan = attention_plan(q, k, v, causal=causal, config=config, q_offset=q_offset)
+    return run(plan.launches, {"q": q, "k": k, "v": v})[plan.result]
+
+
+def input_attention_plan(q, k, v, *, causal: bool, sm_scale: float, q_offset: int) -> Plan:
+    """The launch of ``triton_input_attention`` on JAX's GPU."""
+    return plans.input_attention_plan(buffer("q", q), buffer("k", k), buffer("v", v), gpu_target(),
+                                      causal=causal, q_offset=q_offset, sm_scale=sm_scale)
+
+
+def triton_input_attention(q, k, v, *, causal: bool, sm_scale: float, q_offset: int):
+    """The DMA kernel with Q·Kᵀ on the unquantized inputs: our own bf16/fp16 flash
+    attention, one launch, the baseline of ``benchmarks/attention.py``. Same shapes
+    and ``q_offset`` as ``dma_jax.attention``; no smoothing, no quantization."""
+    plan = input_attention_plan(q, k, v, causal=causal, sm_scale=sm_scale, q_offset=q_offset)
+    return run(plan.launches, {"q": q, "k": k, "v": v})[plan.result]

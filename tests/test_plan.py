@@ -1,0 +1,209 @@
+"""One launch plan, two executors: the JAX front end (``dma_jax.executor``, the CUDA
+lowering through jax-triton) and the torch front end (``triton_kernels.torch_executor``)
+plan the same launches for the same call, and each executor runs a plan's launches as
+written. Checked on CPU, for the launch settings of an sm_90 and an sm_100 GPU;
+``tests/test_gpu.py`` runs both executors on a GPU, the kernel tests run the torch
+executor in Triton's interpreter.
+"""
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from dma_jax import DMAConfig, executor
+from triton_kernels import plan as plans
+from triton_kernels import torch_executor
+from triton_kernels.attention import _dma_attention_kernel
+from triton_kernels.attention_sm90 import _dma_attention_sm90_kernel
+from triton_kernels.format_table import FORMATS
+from triton_kernels.geometry import TILE
+from triton_kernels.plan import Buffer, Launch, Plan, Scalar
+from triton_kernels.target import Target
+
+CONFIGS = {
+    "default": DMAConfig(),
+    "hopper_fast": DMAConfig.hopper_fast(),
+    "mxfp4_no_smooth": DMAConfig(low="mxfp4", smooth_k=False, diag_tiles=2, sink_tiles=0),
+    "pv_fp8_e5m2": DMAConfig(high="mxfp8_e5m2", pv="fp8"),
+    "all_low": DMAConfig.all_low(),
+    "sm_scale_4": DMAConfig(sm_scale=4.0),
+}
+SHAPES = [(300, 300, (4, 2), 64), (1, 700, (6, 3), 128), (200, 456, (4, 4), 64)]
+TARGETS = {"sm90": Target((9, 0)), "sm100": Target((10, 0))}
+
+
+def _front_end_plans(target, config, causal, q_len, kv_len, heads, dim):
+    """The plans of the JAX and the torch front end for one call (bf16 inputs)."""
+    (q_heads, kv_heads), offset = heads, kv_len - q_len
+    shapes = [(1, q_len, q_heads, dim), (1, kv_len, kv_heads, dim), (1, kv_len, kv_heads, dim)]
+    jq, jk, jv = (jnp.zeros(s, jnp.bfloat16) for s in shapes)
+    tq, tk, tv = (torch.zeros(s, dtype=torch.bfloat16) for s in shapes)
+    jax_plan = executor.attention_plan(jq, jk, jv, causal=causal, config=config, q_offset=offset, target=target)
+    torch_plan = torch_executor.attention_plan(tq, tk, tv, target=target, causal=causal, q_offset=offset,
+                                               **config.kernel_options(dim))
+    return jax_plan, torch_plan
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_front_ends_plan_the_same_launches(target, name, causal):
+    for q_len, kv_len, heads, dim in SHAPES:
+        jax_plan, torch_plan = _front_end_plans(TARGETS[target], CONFIGS[name], causal, q_len, kv_len, heads, dim)
+        assert jax_plan == torch_plan
+
+
+def _check_wiring(plan: Plan, inputs: dict[str, Buffer]):
+    """Every named argument is an input or an earlier launch's output, and every output
+    is new: the executors can run the launches in order."""
+    known = dict(inputs)
+    for launch in plan.launches:
+        for arg in launch.args:
+            assert isinstance(arg, Scalar) or arg in known, (launch.kernel.fn.__name__, arg)
+        for out in launch.outputs:
+            assert out.name not in known
+            known[out.name] = out
+    assert known[plan.result].shape == inputs["q"].shape
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_attention_plan_structure(target, name):
+    config = CONFIGS[name]
+    for causal in (False, True):
+        for q_len, kv_len, (hq, hkv), dim in SHAPES:
+            q = Buffer("q", (1, q_len, hq, dim), "bfloat16")
+            k = Buffer("k", (1, kv_len, hkv, dim), "bfloat16")
+            v = Buffer("v", k.shape, "bfloat16")
+            plan = plans.attention_plan(q, k, v, TARGETS[target], causal=causal, q_offset=kv_len - q_len,
+                                        **config.kernel_options(dim))
+            _check_wiring(plan, {"q": q, "k": k, "v": v})
+            attention = plan.launches[-1]
+            # The Gluon kernel exactly where documented: Hopper, head_dim 128, P·V in bf16.
+            gluon = target == "sm90" and dim == 128 and config.pv == "input"
+            assert attention.kernel is (_dma_attention_sm90_kernel if gluon else _dma_attention_kernel)
+            assert attention.gluon == gluon
+            # Smooth-K's sums only with smooth_k; V's FP8 copy only with the FP8 P·V.
+            names = [o.name for launch in plan.launches for o in launch.outputs]
+            assert ("k_sums" in names) == config.smooth_k and ("vt" in names) == (config.pv == "fp8")
+            # K's FP8 copies carry one scale per key tile.
+            k_ts = plan.buffer("k.hi_ts")
+            if k_ts.written:
+                assert k_ts.shape == (1, -(-kv_len // TILE), hkv)
+            # On sm_100 the MX tiles are native: their codes are written, and the FP8
+            # copies only for NVFP4's low tiles.
+            native_low = target == "sm100" and config.low == "mxfp4"
+            assert plan.buffer("q.hi_codes").written == (target == "sm100")
+            assert plan.buffer("q.hi_f8").written == (not native_low)
+
+
+def test_all_high_calls_skip_the_low_copies():
+    q = Buffer("q", (1, 100, 2, 64), "float16")
+    k = Buffer("k", (1, 100, 2, 64), "float16")
+    plan = plans.attention_plan(q, k, Buffer("v", k.shape, "float16"), Target((9, 0)), causal=True, q_offset=0,
+                                diag_tiles=1, sink_tiles=1, high="mxfp8_e4m3", low="nvfp4", smooth_k=True,
+                                sm_scale=0.125)
+    for field in ("lo_codes", "lo_scales", "lo_token_scale", "lo_f8", "lo_ts"):
+        assert plan.buffer(f"q.{field}").shape == (1,) and not plan.buffer(f"q.{field}").written
+    assert plan.launches[-1].meta["HAS_LO"] is False
+
+
+def test_quantize_outputs_follow_the_format_table():
+    x = Buffer("x", (2, 40, 3, 128), "bfloat16")
+    for high, low in (("mxfp8_e4m3", "nvfp4"), ("mxfp8_e5m2", "mxfp4")):
+        launch = plans.quantize_plan(x, Target((10, 0)), high=high, low=low, codes=True, fp8=True).launches[-1]
+        shapes = {o.name: o.shape for o in launch.outputs}
+        assert shapes["x.hi_scales"] == (2, 40, 3, 128 // FORMATS[high].block)
+        assert shapes["x.lo_scales"] == (2, 40, 3, 128 // FORMATS[low].block)
+        assert shapes["x.lo_codes"] == (2, 40, 3, 64)  # two E2M1 codes per byte
+        assert launch.meta["LO_MAX"] == FORMATS[low].max_value and launch.meta["HI_EMAX"] == FORMATS[high].emax
+
+
+def test_plan_rejects_extents_beyond_int32():
+    q = Buffer("q", (1, 1, 1, 128), "bfloat16")
+    k = Buffer("k", (1, 2**24, 1, 128), "bfloat16")
+    with pytest.raises(ValueError, match="must be < 2\\^31 per batch item"):
+        plans.attention_plan(q, k, k, Target((9, 0)), causal=True, q_offset=0, diag_tiles=1, sink_tiles=1,
+                             high="mxfp8_e4m3", low="nvfp4", smooth_k=True, sm_scale=1.0)
+
+
+# -- the executors run what the plan says -----------------------------------------------
+
+class _Kernel:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **meta)`` is logged."""
+
+    def __init__(self, name, log):
+        self.fn = types.SimpleNamespace(__name__=name)
+        self.log = log
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, num_stages, **meta):
+            self.log.append((self.fn.__name__, tuple(grid), [_describe(a) for a in args], meta, num_warps,
+                             num_stages))
+        return launch
+
+
+def _describe(x):
+    """A launch argument as compared across frameworks."""
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape), str(x.dtype).removeprefix("torch.")
+    if hasattr(x, "shape") and np.ndim(x) > 0:
+        return tuple(x.shape), np.dtype(x.dtype).name
+    if isinstance(x, np.floating):
+        assert x.dtype == np.float32  # jax-triton reads the scalar's type from numpy's
+        return ("fp32", float(x))
+    return ("i32", x) if isinstance(x, int) else ("fp32", x)
+
+
+def _toy_plan(log):
+    """Two launches: the second reads the first's output and an input; typed scalars."""
+    first = Launch(_Kernel("first", log), (3, 1, 1), ("x", Scalar(7, "i32"), Scalar(0.5, "fp32")),
+                   (Buffer("a", (4, 5), "float32"), Buffer("unused", (1,), "uint8", written=False)),
+                   (("D", 64), ("FLAG", True)), num_warps=8, num_stages=2)
+    second = Launch(_Kernel("second", log), (1, 2, 3), ("a", "x", Scalar(1, "i32")),
+                    (Buffer("out", (2, 3), "bfloat16"),), (("MODE", "e4m3"),))
+    return Plan((first, second), "out")
+
+
+def test_executors_run_the_plan_as_written(monkeypatch):
+    torch_log, jax_log = [], []
+    toy = _toy_plan(torch_log)
+    out = torch_executor.execute(toy, x=torch.zeros((6,), dtype=torch.float16))
+    assert out.shape == (2, 3) and out.dtype == torch.bfloat16
+
+    def fake_call(*args, kernel, out_shape, grid, num_warps, num_stages=3, **meta):
+        jax_log.append((kernel.fn.__name__, tuple(grid), [_describe(a) for a in [*args, *out_shape]], meta,
+                        num_warps, num_stages))
+        return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+
+    monkeypatch.setattr(executor, "import_jax_triton", lambda: types.SimpleNamespace(triton_call=fake_call))
+    toy = _toy_plan(jax_log)
+    env = executor.run(toy.launches, {"x": jnp.zeros((6,), jnp.float16)})
+    assert env["out"].shape == (2, 3) and env["out"].dtype == jnp.bfloat16
+    assert jax_log == torch_log
+    assert torch_log[0] == ("first", (3, 1, 1), [((6,), "float16"), ("i32", 7), ("fp32", 0.5), ((4, 5), "float32"),
+                                                 ((1,), "uint8")], {"D": 64, "FLAG": True}, 8, 2)
+    assert torch_log[1][2][:3] == [((4, 5), "float32"), ((6,), "float16"), ("i32", 1)]
+
+
+def test_gluon_launches_go_through_gluon_call(monkeypatch):
+    """The JAX executor hands Gluon launches (warp-specialised, more warps than launched)
+    to ``gluon_call``, not jax-triton."""
+    from dma_jax import gluon_call
+
+    calls = []
+
+    def fake_gluon(*args, kernel, out_shape, grid, num_warps, **meta):
+        calls.append((kernel.fn.__name__, grid, num_warps, meta))
+        return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+
+    monkeypatch.setattr(gluon_call, "gluon_call", fake_gluon)
+    monkeypatch.setattr(executor, "import_jax_triton", lambda: types.SimpleNamespace(triton_call=None))
+    log = []
+    launch = Launch(_Kernel("g", log), (2, 1, 1), ("x",), (Buffer("out", (2,), "float32"),), (("S", 3),),
+                    num_warps=4, gluon=True)
+    executor.run((launch,), {"x": jnp.zeros((2,), jnp.float32)})
+    assert calls == [("g", (2, 1, 1), 4, {"S": 3})]
