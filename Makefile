@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo accuracy clean
+.PHONY: test test-slow demo accuracy clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # One worker per core: the interpreter's kernel tests are single-threaded Python.
+# `make test` is every check on the smallest inputs that reach each code path;
+# `make test-slow` the larger sweeps of the same checks (CI runs both).
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n auto -m slow
 
 demo: $(STAMP)
 	$(PY) -m models.generate --chat --attention dma --max-new-tokens 40 --compare \

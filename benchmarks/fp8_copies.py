@@ -26,6 +26,7 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # models/, the repository's example
 
 import jax
 import jax.numpy as jnp

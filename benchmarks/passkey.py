@@ -24,6 +24,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # models/, the repository's example
 
 import jax
 import numpy as np

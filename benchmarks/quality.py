@@ -26,9 +26,13 @@ import datetime
 import json
 import math
 import os
+import pathlib
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # models/, the repository's example
 
 import jax
 import jax.numpy as jnp
@@ -124,15 +128,17 @@ def per_layer_errors(model, window: np.ndarray, configs: dict[str, DMAConfig]) -
     return out
 
 
-def perplexity_table(model, tokenizer, window: int, count: int) -> list[dict]:
-    """Perplexity and top-1 agreement with exact attention of every config."""
+def perplexity_table(model, tokenizer, window: int, count: int, names: list[str]) -> list[dict]:
+    """Perplexity and top-1 agreement with exact attention of the configs ``names``
+    (exact first)."""
     data = windows(tokenizer, window, count)
     print(f"\n{data.shape[0]} windows of {window} tokens ({data.shape[0] * (window - 1)} predictions), "
           "held-out pydoc_data.topics")
     print("| attention | high pairs | perplexity | Δ vs exact | top-1 agreement with exact |")
     print("|---|---:|---:|---:|---:|")
     rows, exact_pred, exact_ppl = [], None, None
-    for name, cfg in CONFIGS.items():
+    for name in names:
+        cfg = CONFIGS[name]
         spec = AttentionSpec.named("exact") if cfg is None else AttentionSpec.named("dma", dma=cfg)
         forward = nnx.jit(lambda m, t, s=spec: m.prefill(t, None, s)[0])
         start = time.perf_counter()
@@ -156,13 +162,14 @@ def perplexity_table(model, tokenizer, window: int, count: int) -> list[dict]:
     return rows
 
 
-def greedy_agreement(model, tokenizer, prompts: list[str], new_tokens: int) -> dict[str, dict]:
-    """Greedy answers to chat prompts with each config in GREEDY, against exact's."""
+def greedy_agreement(model, tokenizer, prompts: list[str], new_tokens: int, names: list[str]) -> dict[str, dict]:
+    """Greedy answers to chat prompts with each config of ``names`` (exact first),
+    against exact's."""
     stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     encoded = [chat_prompt(tokenizer, p) for p in prompts]
     cache_len = max(len(ids) for ids in encoded) + new_tokens  # one decode shape per config
     answers = {}
-    for name in GREEDY:
+    for name in names:
         cfg = CONFIGS[name]
         spec = AttentionSpec.named("exact") if cfg is None else AttentionSpec.named("dma", dma=cfg)
         answers[name] = [list(generate(model, ids, spec=spec, max_new_tokens=new_tokens, stop_ids=stop,
@@ -214,11 +221,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full", action="store_true", help="16 x 512, 4 x 2048 and 2 x 4096 tokens")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"at most {len(PROMPTS)}")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), metavar="NAME",
+                        help="the configs to measure (exact is always measured); default: all")
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS):
         parser.error(f"--prompts must be in [1, {len(PROMPTS)}]")
+    unknown = [n for n in args.configs if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown --configs {unknown}; expected names from {list(CONFIGS)}")
+    names = ["exact"] + [n for n in CONFIGS if n in args.configs and n != "exact"]
 
     model, make_tokenizer = load_checkpoint(args.checkpoint)
     tokenizer = make_tokenizer()
@@ -226,8 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"quality of DMA configs on {args.checkpoint or 'SmolLM2-135M-Instruct'}, {device.platform}")
     rows = []
     for window, count in FULL if args.full else ((args.window, args.windows),):
-        rows += perplexity_table(model, tokenizer, window, count)
-    greedy = greedy_agreement(model, tokenizer, PROMPTS[: args.prompts], args.new_tokens)
+        rows += perplexity_table(model, tokenizer, window, count, names)
+    greedy = greedy_agreement(model, tokenizer, PROMPTS[: args.prompts], args.new_tokens,
+                              [n for n in GREEDY if n in names])
 
     layer_configs = {"DMA default": DMAConfig(), "all NVFP4": DMAConfig.all_low(), "all MXFP8": DMAConfig.all_high()}
     first = windows(tokenizer, rows[0]["window"], 1)[0]

@@ -21,3 +21,8 @@ TRITON_39 = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 9)
 def compiler_env() -> dict:
     """The environment minus TRITON_INTERPRET: for a subprocess that compiles kernels."""
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: larger sweeps of checks the fast tier also makes on small inputs (make test-slow)")

@@ -24,20 +24,27 @@ def load(name):
     return module
 
 
-def test_quality_benchmark_tiny(tmp_path, capsys):
+QUICK = ["DMA default (diag 1, sink 1)"]
+
+
+@pytest.mark.parametrize("configs", [
+    pytest.param(QUICK, id="default_only"),
+    pytest.param(None, id="every_config", marks=pytest.mark.slow),
+])
+def test_quality_benchmark_tiny(tmp_path, capsys, configs):
     quality = load("quality")
     quality.main(["--window", "40", "--windows", "1", "--prompts", "2", "--new-tokens", "3",
-                  "--out", str(tmp_path)])
+                  "--out", str(tmp_path)] + (["--configs", *configs] if configs else []))
     report = json.loads((tmp_path / "quality_cpu_w40.json").read_text())
     assert report["tokens_evaluated"] == 39
     rows = {r["attention"]: r for r in report["rows"]}
-    assert list(rows) == list(quality.CONFIGS)
+    assert list(rows) == (["exact", *configs] if configs else list(quality.CONFIGS))
     assert rows["exact"]["top1_agreement"] == 1.0 and rows["exact"]["windows"] == 1
     for r in rows.values():
         assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1.0
         assert 0.0 <= r["top1_agreement"] <= 1.0 and 0.0 <= r["high_fraction"] <= 1.0
     greedy = report["greedy"]["results"]
-    assert list(greedy) == list(quality.GREEDY)
+    assert list(greedy) == [n for n in quality.GREEDY if n in rows]
     assert greedy["exact"]["identical"] == 2 and greedy["exact"]["first_divergence"] == [None, None]
     for g in greedy.values():
         assert g["prompts"] == 2 and 0 <= g["identical"] <= 2 and len(g["answers"]) == 2
@@ -62,6 +69,12 @@ def test_passkey_benchmark_tiny(tmp_path, capsys):
     for r in cell["results"].values():
         assert r["hit"] == passkey.found(r["answer"], cell["key"])
     assert "| attention | hits |" in capsys.readouterr().out
+
+
+def test_quality_benchmark_rejects_unknown_configs(capsys):
+    with pytest.raises(SystemExit):
+        load("quality").main(["--configs", "no such config"])
+    assert "unknown --configs ['no such config']" in capsys.readouterr().err
 
 
 def test_passkey_needle_is_found_only_when_the_key_matches():

@@ -464,7 +464,8 @@ def test_channel_mean_against_float64():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [16, 64])  # 13 partials (two steps of 8, padded) and 4
+# 13 partials (two steps of 8, padded) and 4
+@pytest.mark.parametrize("chunk", [16, pytest.param(64, marks=pytest.mark.slow)])
 def test_mean_formed_in_the_quantize_launch_has_channel_means_bits(chunk):
     # K's path: the quantize launch adds smooth-K's partial sums up itself. Every output
     # must equal the one quantized with channel_mean's mean (checked against float64
