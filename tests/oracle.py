@@ -1,6 +1,6 @@
 """Independent oracles: numpy + ml_dtypes quantization and float64 DMA attention.
 
-Written from DESIGN.md §3 without reusing dma_jax code: element rounding is
+Written from docs/design.md's numerics without reusing dma_jax code: element rounding is
 ml_dtypes' own cast (round-to-nearest-even), the scale exponent comes from
 np.frexp, and attention runs in float64.
 """
@@ -68,7 +68,7 @@ def quantize(x, fmt):
             v = np.where(np.isfinite(v), v, 0)
             codes, vals = _cast(v, dtype, vmax)
             scales = np.where(finite, sb_codes, 0x7F).astype(np.uint8)[..., 0]
-            # Dequantize as DESIGN.md says, (e * sb) * s2, in float32 (e * sb is exact).
+            # Dequantize as the numerics say, (e * sb) * s2, in float32 (e * sb is exact).
             deq = (vals * np.where(finite, sb, np.nan)).astype(np.float32) * s2b
             token = s2
     codes = codes.reshape(x.shape)
@@ -165,7 +165,7 @@ def is_high(p, t, causal, diag, sink, tile=128):
 def dma_attention(q, k, v, *, causal=True, diag=1, sink=1, high="mxfp8_e4m3",
                   low="nvfp4", smooth_k=True, sm_scale=None, q_offset=None,
                   p_dtype=None, operands="exact", pv="input"):
-    """Float64 DMA per DESIGN.md §3.2-3.4; ``diag=None`` means exact (no quantization).
+    """Float64 DMA per docs/design.md (pre-processing, pairs, computation); ``diag=None`` means exact (no quantization).
 
     ``operands="fp8"``: Q·Kᵀ from the FP8 copies (Q per token, K per 128-key tile). ``pv="fp8"``: P·2^8 and V
     (per-channel scale) rounded to E4M3."""

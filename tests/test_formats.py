@@ -21,7 +21,7 @@ ALL = sorted(FORMATS)
 def on_xla_cpu():
     """The bit-exact contract holds on XLA's CPU backend. XLA's GPU backend does
     not round float32 divisions correctly, so there NVFP4 scales can differ by an
-    ulp (measured on the H200, see NOTES.md); GPUs run the Triton kernels instead."""
+    ulp (measured on an H200); GPUs run the Triton kernels instead."""
     with jax.default_device(jax.devices("cpu")[0]):
         yield
 

@@ -125,7 +125,7 @@ def channel_mean_plan(x: Buffer, *, chunk: int | None = None) -> Plan:
     b, length, h, d = x.shape
     sums = _channel_reduce(x, "sums", amax=False, chunk=chunk)
     n_chunks = sums.grid[0]
-    total = Launch(quant._channel_mean_kernel, (h, b), ("sums", _i32(length), _i32(h), _i32(n_chunks)),
+    total = Launch(quant._channel_mean_kernel, (h, b, 1), ("sums", _i32(length), _i32(h), _i32(n_chunks)),
                    (Buffer("mean", (b, h, d), "float32"),), _meta(D=d))
     return Plan((sums, total), "mean")
 
@@ -281,7 +281,8 @@ def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: b
     check_extent(kv_len, kv_heads, d)
     tiles = resolve_native(target.capability, low, native)
     has_lo = not all_high(q_len, kv_len, q_offset, diag_tiles)
-    copies = dict(high=high, low=low, codes=any(tiles), fp8=not all(tiles), write_lo=has_lo)
+    fp8 = not all(tiles)
+    copies: dict[str, Any] = dict(high=high, low=low, codes=any(tiles), fp8=fp8, write_lo=has_lo)
     launches: list[Launch] = []
     mean = None
     if smooth_k:
@@ -290,7 +291,7 @@ def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: b
         mean = ("k_sums", sums.grid[0], kv_len)
     launches.append(_quantize(q, "q", target, fold=softmax_fold(sm_scale), **copies))
     # K's FP8 copies carry one scale per key tile (formats.fp8_per_tile).
-    launches.append(_quantize(k, "k", target, mean=mean, per_tile=copies["fp8"], **copies))
+    launches.append(_quantize(k, "k", target, mean=mean, per_tile=fp8, **copies))
     pv_fp8 = pv == "fp8"
     if pv_fp8:
         launches.extend(fp8_transpose_plan(v, target).launches)
