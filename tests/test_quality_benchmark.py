@@ -58,6 +58,7 @@ def test_quality_benchmark_tiny(tmp_path, capsys, configs):
     assert quality.held_out_text().startswith(topics[sorted(topics)[int(0.8 * len(topics))]])
 
 
+@pytest.mark.slow
 def test_passkey_benchmark_tiny(tmp_path, capsys):
     passkey = load("passkey")
     passkey.main(["--lengths", "120", "--depths", "0.5", "--out", str(tmp_path)])
