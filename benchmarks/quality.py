@@ -44,6 +44,7 @@ import dma_jax
 from dma_jax import DMAConfig
 from dma_jax.metrics import error_metrics
 from dma_jax.reference import high_pair_fraction
+from triton_kernels.format_table import FORMATS
 from models.generate import agreement, chat_prompt, generate
 from models.llama import AttentionSpec, load_checkpoint
 
@@ -59,6 +60,19 @@ CONFIGS = {
     "all MXFP4": DMAConfig.all_low(low="mxfp4"),
     "Hopper preset (all MXFP8, FP8 P·V)": DMAConfig.hopper_fast(),
 }
+# The scale-rule x rotation table (--rules): per family, the rule of the copy that
+# decides its error (the low copy's for DMA default), each without and with rotation;
+# DMA default also with OCP's rules, the library's defaults before round-up scales.
+FAMILIES = {
+    "DMA default": (DMAConfig, "low_rule", FORMATS["nvfp4"].rules),
+    "all MXFP8": (DMAConfig.all_high, "high_rule", FORMATS["mxfp8_e4m3"].rules),
+    "all NVFP4": (DMAConfig.all_low, "low_rule", FORMATS["nvfp4"].rules),
+    "all MXFP4": (lambda **kw: DMAConfig.all_low(low="mxfp4", **kw), "low_rule", FORMATS["mxfp4"].rules),
+}
+RULE_CONFIGS = {"DMA default · OCP scales (floor, nearest) · none": DMAConfig(high_rule="floor")} | {
+    f"{family} · {rule} · {rotate}": make(**{field: rule, "rotate": rotate})
+    for family, (make, field, rules) in FAMILIES.items() for rotate in ("none", "hadamard") for rule in rules}
+CONFIGS.update(RULE_CONFIGS)
 FULL = ((512, 16), (2048, 4), (4096, 2))
 # Greedy generation compares these configurations with exact attention.
 GREEDY = ("exact", "DMA default (diag 1, sink 1)", "DMA diag 0, sink 0 (all NVFP4)", "all MXFP8 (e4m3)",
@@ -221,17 +235,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full", action="store_true", help="16 x 512, 4 x 2048 and 2 x 4096 tokens")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"at most {len(PROMPTS)}")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), metavar="NAME",
-                        help="the configs to measure (exact is always measured); default: all")
+    parser.add_argument("--configs", nargs="+", default=None, metavar="NAME",
+                        help="the configs to measure (exact is always measured); default: all but the --rules table")
+    parser.add_argument("--rules", action="store_true",
+                        help="the scale-rule x rotation table instead: DMA default, all MXFP8, all NVFP4 and all "
+                             f"MXFP4 with every block-scale rule, without and with rotation ({len(RULE_CONFIGS)} configs)")
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS):
         parser.error(f"--prompts must be in [1, {len(PROMPTS)}]")
-    unknown = [n for n in args.configs if n not in CONFIGS]
+    chosen = args.configs or (list(RULE_CONFIGS) if args.rules else [n for n in CONFIGS if n not in RULE_CONFIGS])
+    unknown = [n for n in chosen if n not in CONFIGS]
     if unknown:
         parser.error(f"unknown --configs {unknown}; expected names from {list(CONFIGS)}")
-    names = ["exact"] + [n for n in CONFIGS if n in args.configs and n != "exact"]
+    names = ["exact"] + [n for n in CONFIGS if n in chosen and n != "exact"]
 
     model, make_tokenizer = load_checkpoint(args.checkpoint)
     tokenizer = make_tokenizer()
@@ -240,8 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for window, count in FULL if args.full else ((args.window, args.windows),):
         rows += perplexity_table(model, tokenizer, window, count, names)
-    greedy = greedy_agreement(model, tokenizer, PROMPTS[: args.prompts], args.new_tokens,
-                              [n for n in GREEDY if n in names])
+    # Greedy answers: the headline configs, or with --rules every DMA default variant.
+    greedy_names = [n for n in names if n == "exact" or n.startswith("DMA default ·")] if args.rules else [
+        n for n in GREEDY if n in names]
+    greedy = greedy_agreement(model, tokenizer, PROMPTS[: args.prompts], args.new_tokens, greedy_names)
 
     layer_configs = {"DMA default": DMAConfig(), "all NVFP4": DMAConfig.all_low(), "all MXFP8": DMAConfig.all_high()}
     first = windows(tokenizer, rows[0]["window"], 1)[0]
@@ -254,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {i} | " + " | ".join(cells) + " |")
 
     os.makedirs(args.out, exist_ok=True)
-    stem = f"quality_{device.platform}_{'full' if args.full else f'w{args.window}'}"
+    stem = f"quality_{device.platform}_{'full' if args.full else f'w{args.window}'}{'_rules' if args.rules else ''}"
     path = os.path.join(args.out, stem + ".json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "device": str(device),

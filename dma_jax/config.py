@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from triton_kernels.format_table import FORMATS, check_rule
+
+from .rotation import ROTATIONS
+
 HIGH_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
 LOW_FORMATS = ("nvfp4", "mxfp4")
 PV_MODES = ("input", "fp8")
@@ -43,6 +47,11 @@ class DMAConfig:
       pv: ``"input"`` (P rounded to the input dtype, V as given) or
         ``"fp8"`` (P and V in E4M3, V with a power-of-two scale per channel: faster
         on Hopper, less accurate; see ``dma_jax.formats.fp8_per_channel``).
+      high_rule, low_rule: how the high and the low copies choose their block scales
+        (``FORMATS[fmt].rules``, see ``dma_jax.quantize``); ``None`` is the format's
+        ``default_rule``.
+      rotate: ``"none"`` or ``"hadamard"`` (Q and K rotated along head_dim by the
+        Walsh–Hadamard matrix before quantization, ``dma_jax.rotation``).
     """
 
     diag_tiles: int = 1
@@ -52,6 +61,9 @@ class DMAConfig:
     smooth_k: bool = True
     sm_scale: float | None = None
     pv: str = "input"
+    high_rule: str | None = None
+    low_rule: str | None = None
+    rotate: str = "none"
 
     def __post_init__(self) -> None:
         _check_count("diag_tiles", self.diag_tiles)
@@ -60,6 +72,12 @@ class DMAConfig:
         _check_choice("low", self.low, LOW_FORMATS)
         _check_choice("smooth_k", self.smooth_k, (True, False))
         _check_choice("pv", self.pv, PV_MODES)
+        _check_choice("rotate", self.rotate, ROTATIONS)
+        for name, fmt in (("high_rule", self.high), ("low_rule", self.low)):
+            try:
+                check_rule(FORMATS[fmt], getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"DMAConfig.{name}: {e}") from None
         s = self.sm_scale
         if s is not None and (
             isinstance(s, bool)
@@ -96,7 +114,13 @@ class DMAConfig:
         """The keywords of ``triton_kernels.plan.attention_plan`` for this config, the
         same for the JAX and the torch front end."""
         return dict(diag_tiles=self.diag_tiles, sink_tiles=self.sink_tiles, high=self.high, low=self.low,
-                    smooth_k=self.smooth_k, sm_scale=self.softmax_scale(head_dim), pv=self.pv)
+                    smooth_k=self.smooth_k, sm_scale=self.softmax_scale(head_dim), pv=self.pv,
+                    high_rule=self.scale_rules[0], low_rule=self.scale_rules[1], rotate=self.rotate == "hadamard")
+
+    @property
+    def scale_rules(self) -> tuple[str, str]:
+        """The block-scale rules of the high and the low copies, defaults resolved."""
+        return check_rule(FORMATS[self.high], self.high_rule), check_rule(FORMATS[self.low], self.low_rule)
 
     def softmax_scale(self, head_dim: int) -> float:
         """The softmax scale for ``head_dim`` (``sm_scale`` or ``head_dim**-0.5``)."""

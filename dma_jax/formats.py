@@ -4,9 +4,13 @@ Every format quantizes along the last axis (head_dim) in blocks (the format tabl
 ``FORMATS``, lives in ``triton_kernels.format_table``, shared with the kernels):
 
 * ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp4``: blocks of 32 elements share one
-  E8M0 (power-of-two) scale ``2^(floor(log2(amax)) - emax_elem)``.
+  E8M0 (power-of-two) scale ``2^e``. By default ("up") ``e`` is the smallest
+  exponent with ``amax / 2^e <= element max``; "floor" is the OCP v1.0 rule
+  ``e = floor(log2(amax)) - emax_elem`` and "nearest" lies between
+  (``format_table.SCALE_RULES``).
 * ``nvfp4``: a float32 scale per token ``s2 = amax_token / 2688``, then blocks of
-  16 elements share an E4M3 scale ``RTNE(amax_block / (6 * s2))``.
+  16 elements share an E4M3 scale, by default ``RTNE(amax_block / (6 * s2))``
+  (other rules: rounded up or down, or "4/6").
 
 Elements are rounded to nearest, ties to even, and saturate at the element
 format's largest finite value. The rounding is written with float32 arithmetic
@@ -34,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triton_kernels.format_table import E4M3, FORMATS, NVFP4_TOKEN_DIVISOR, Format
+from triton_kernels.format_table import E4M3, FORMATS, NVFP4_TOKEN_DIVISOR, Format, check_rule
 from triton_kernels.geometry import TILE
 
 from .validation import dtype_name, is_array
@@ -158,11 +162,32 @@ def _abs_max(x: jax.Array, axis: int, keepdims: bool = False) -> jax.Array:
     return jnp.where(jnp.any(jnp.isnan(x), axis=axis, keepdims=keepdims), jnp.nan, m)
 
 
-def _quantize_mx(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
+def round_significand(a: jax.Array, man_bits: int) -> jax.Array:
+    """Non-negative float32 ``a`` rounded to ``man_bits`` mantissa bits (ties to even),
+    without an exponent bound (``a`` at least 1 or zero)."""
+    quantum = _pow2(jnp.maximum(_exponent(a), 0) - man_bits)
+    return jnp.round(a / quantum) * quantum
+
+
+def mx_exponent(amax: jax.Array, fmt: Format, rule: str) -> jax.Array:
+    """The E8M0 scale exponent, in [-127, 127], of blocks with finite ``amax >= 0``
+    under ``rule`` (``format_table.SCALE_RULES``)."""
+    e = jnp.clip(_exponent(amax) - fmt.emax, -127, 127)
+    if rule == "floor":
+        return e
+    # amax / 2^e, exact: -e lies in [-125, 127]. It is below 2^(emax + 1), so one step
+    # up always brings it to the element max or below (and e + 1 <= 126).
+    top = amax * _pow2(-e)
+    if rule == "nearest":
+        top = round_significand(top, fmt.man_bits)
+    return e + (top > fmt.max_value).astype(jnp.int32)
+
+
+def _quantize_mx(x: jax.Array, fmt: Format, rule: str) -> tuple[jax.Array, jax.Array]:
     xb = _blocks(x, fmt.block)
     amax = _abs_max(xb, -1, keepdims=True)
     finite = jnp.isfinite(amax)
-    e = jnp.clip(_exponent(jnp.where(finite, amax, 0.0)) - fmt.emax, -127, 127)
+    e = mx_exponent(jnp.where(finite, amax, 0.0), fmt, rule)
     # Multiply by 2^-e instead of dividing by 2^e: 2^-127 is a float32 subnormal,
     # while -e lies in [-125, 127] and 2^-e is always normal. Both are exact.
     r = round_to_element(jnp.where(finite, xb * _pow2(-e), 0.0), fmt)
@@ -171,8 +196,40 @@ def _quantize_mx(x: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
     return codes.reshape(x.shape), scales
 
 
+def e4m3_scale(sb_f: jax.Array, rule: str) -> jax.Array:
+    """An E4M3 block scale for finite ``sb_f >= 0``: nearest (ties to even, saturating
+    at 448), or the neighbour above ("up") or below ("floor") where that misses
+    ``sb_f``. Positive E4M3 codes are ordered like their values, so a neighbour is the
+    code plus or minus one."""
+    sb = round_to_element(sb_f, E4M3)
+    if rule in ("nearest", "4/6"):
+        return sb
+    code = _element_codes(sb, E4M3).astype(jnp.int32)
+    if rule == "up":
+        code = jnp.where((sb < sb_f) & (code < 0x7E), code + 1, code)
+    else:
+        code = jnp.where((sb > sb_f) & (code > 0), code - 1, code)
+    return _element_values(code.astype(jnp.uint8), E4M3)
+
+
+def pairwise_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis (a power of two long) as a tree of neighbour pairs: the
+    order the kernel uses, so both round alike."""
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def _nvfp4_elements(xs: jax.Array, sb: jax.Array, finite: jax.Array, zero: jax.Array, fmt: Format) -> jax.Array:
+    """E2M1 values of blocks ``xs = x / s2`` with block scales ``sb``: ``RTNE(xs / sb)``,
+    signed zeros (``zero``) where the scale is zero or the block not ``finite``."""
+    usable = finite & (sb > 0)
+    v = jnp.where(usable, div_rn(xs, jnp.where(usable, sb, 1.0)), zero)
+    return round_to_element(jnp.where(jnp.isfinite(v), v, 0.0), fmt)
+
+
 def _quantize_nvfp4(
-    x: jax.Array, fmt: Format
+    x: jax.Array, fmt: Format, rule: str
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     amax_token = _abs_max(x, -1)
     # A token whose scale would be a float32 subnormal (amax < 2688 * 2^-126) counts
@@ -181,29 +238,39 @@ def _quantize_nvfp4(
     s2 = jnp.where(s2 == 0, jnp.float32(1.0), s2)[..., None, None]
     xb = _blocks(x, fmt.block)
     amax_block = _abs_max(xb, -1, keepdims=True)
-    sb_f = div_rn(amax_block, jnp.float32(6.0) * s2)
+    sb_f = div_rn(amax_block, jnp.float32(fmt.max_value) * s2)
     finite = jnp.isfinite(sb_f)
-    sb = round_to_element(jnp.where(finite, sb_f, 0.0), E4M3)
+    sb = e4m3_scale(jnp.where(finite, sb_f, 0.0), rule)
     # The elements are encoded with the rounded block scale, as they are decoded.
-    usable = finite & (sb > 0)
     # A block with a zero scale encodes signed zeros, like any element that rounds
     # to 0; a NaN element (whose sign bit means nothing) encodes +0.
     zero = jnp.where(jnp.isnan(xb), 0.0, jnp.copysign(0.0, xb))
-    v = jnp.where(usable, div_rn(div_rn(xb, s2), jnp.where(usable, sb, 1.0)), zero)
-    r = round_to_element(jnp.where(jnp.isfinite(v), v, 0.0), fmt)
+    xs = div_rn(xb, s2)
+    r = _nvfp4_elements(xs, sb, finite, zero, fmt)
+    if rule == "4/6":
+        # The block maximum mapped to 4 instead of 6: finer steps near the maximum. The
+        # error terms |xs - r·sb| are exact (r·sb has 6 significant bits at most).
+        sb4 = round_to_element(jnp.where(finite, div_rn(amax_block, 4.0 * s2), 0.0), E4M3)
+        r4 = _nvfp4_elements(xs, sb4, finite, zero, fmt)
+        four = (pairwise_sum(jnp.abs(xs - r4 * sb4)) < pairwise_sum(jnp.abs(xs - r * sb)))[..., None]
+        sb, r = jnp.where(four, sb4, sb), jnp.where(four, r4, r)
     codes = _element_codes(r, fmt).reshape(x.shape)
     sb_codes = jnp.where(finite, _element_codes(sb, E4M3), 0x7F)[..., 0]
     return codes, sb_codes, s2[..., 0, 0]
 
 
-def quantize(x: jax.Array, fmt: str) -> Quantized:
+def quantize(x: jax.Array, fmt: str, rule: str | None = None) -> Quantized:
     """Quantize ``x`` (``[..., D]``, any float dtype) along its last axis.
 
     ``D`` must be a multiple of the format's block size (32 for MX, 16 for NVFP4).
+    ``rule`` picks how block scales are chosen (``FORMATS[fmt].rules``; ``None``: the
+    format's ``default_rule``). Every rule gives valid data of the format, decoded
+    the same way.
     Returns :class:`Quantized` (uint8 codes, uint8 block scales and, for NVFP4,
     the float32 per-token scale).
     """
     f = get_format(fmt)
+    rule = check_rule(f, rule)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"quantize expects a floating-point array; got {x.dtype}")
@@ -212,17 +279,17 @@ def quantize(x: jax.Array, fmt: str) -> Quantized:
             f"{f.name} quantizes the last axis in blocks of {f.block}; "
             f"got shape {x.shape}"
         )
-    return _quantize(x, f)
+    return _quantize(x, f, rule)
 
 
-@partial(jax.jit, static_argnums=1)
-def _quantize(x: jax.Array, f: Format) -> Quantized:
+@partial(jax.jit, static_argnums=(1, 2))
+def _quantize(x: jax.Array, f: Format, rule: str) -> Quantized:
     x = flush_subnormals(x.astype(jnp.float32))
     if f.scale == "e8m0":
-        codes, scales = _quantize_mx(x, f)
+        codes, scales = _quantize_mx(x, f, rule)
         token_scale = None
     else:
-        codes, scales, token_scale = _quantize_nvfp4(x, f)
+        codes, scales, token_scale = _quantize_nvfp4(x, f, rule)
     if f.packed:
         codes = pack_nibbles(codes)
     return Quantized(codes, scales, token_scale)

@@ -19,6 +19,7 @@ from triton_kernels import geometry
 
 from .config import DMAConfig
 from .formats import FORMATS, dequantize, fp8_per_channel, fp8_per_tile, fp8_per_token, quantize, round_to_element
+from .rotation import hadamard
 from .validation import check_attention_inputs, resolve_q_offset
 
 __all__ = ["reference_attention", "exact_attention", "pair_is_high", "high_pair_fraction"]
@@ -140,15 +141,24 @@ def _attend(
 OPERANDS = ("exact", "fp8")
 
 
-def _dequantized(x: jax.Array, fmt: str, operands: str, key_tile: int | None = None) -> jax.Array:
+def _dequantized(x: jax.Array, fmt: str, rule: str, operands: str, key_tile: int | None = None) -> jax.Array:
     """Q (``key_tile=None``) or K ``[B, L, H, D]`` as the kernel's Q·Kᵀ sees it."""
     if operands == "fp8" and key_tile:
-        values, scale = fp8_per_tile(quantize(x, fmt), fmt, key_tile, axis=1)
+        values, scale = fp8_per_tile(quantize(x, fmt, rule), fmt, key_tile, axis=1)
         return values * jnp.repeat(scale, key_tile, axis=1)[:, : x.shape[1], :, None]
     if operands == "fp8":
-        values, token = fp8_per_token(quantize(x, fmt), fmt)
+        values, token = fp8_per_token(quantize(x, fmt, rule), fmt)
         return values * token[..., None]
-    return dequantize(quantize(x, fmt), fmt)
+    return dequantize(quantize(x, fmt, rule), fmt)
+
+
+def smoothing_mean(k: jax.Array) -> jax.Array:
+    """Smooth-K's float32 mean of ``k [B, L, H, D]`` over the tokens whose elements are
+    all finite, ``[B, 1, H, D]`` (zero where there are none), so that a non-finite key
+    poisons only the query rows that see it."""
+    ok = jnp.all(jnp.isfinite(k), axis=-1, keepdims=True)
+    total = jnp.sum(jnp.where(ok, k, 0.0), axis=1, keepdims=True)
+    return total / jnp.maximum(jnp.sum(ok, axis=1, keepdims=True), 1).astype(jnp.float32)
 
 
 def dma_reference(
@@ -172,20 +182,27 @@ def dma_reference(
     q_len, kv_len, dim = q.shape[1], k.shape[1], q.shape[3]
     k32 = k.astype(jnp.float32)
     if config.smooth_k:
-        k32 = k32 - jnp.mean(k32, axis=1, keepdims=True)
+        k32 = k32 - smoothing_mean(k32)
     fold = np.float32(config.softmax_scale(dim) * math.log2(math.e))
-    q32 = q.astype(jnp.float32) * fold
+    q32 = q.astype(jnp.float32)
+    if config.rotate == "hadamard":
+        # (q·H)(k·H)ᵀ = D · q·kᵀ: the exact power of two 1/D goes into the fold.
+        q32, k32, fold = hadamard(q32), hadamard(k32), fold / np.float32(dim)
+    q32 = q32 * fold
+    hi_rule, lo_rule = config.scale_rules
 
     uniform = _uniform_precision(config, q_len, kv_len, q_offset)
     tile = geometry.TILE
     q_lo: jax.Array | None
     k_lo: jax.Array | None
     if uniform is None:
-        q_hi, k_hi = _dequantized(q32, config.high, operands), _dequantized(k32, config.high, operands, tile)
-        q_lo, k_lo = _dequantized(q32, config.low, operands), _dequantized(k32, config.low, operands, tile)
+        q_hi, k_hi = (_dequantized(q32, config.high, hi_rule, operands),
+                      _dequantized(k32, config.high, hi_rule, operands, tile))
+        q_lo, k_lo = (_dequantized(q32, config.low, lo_rule, operands),
+                      _dequantized(k32, config.low, lo_rule, operands, tile))
     else:
-        fmt = config.high if uniform == "high" else config.low
-        q_hi, k_hi = _dequantized(q32, fmt, operands), _dequantized(k32, fmt, operands, tile)
+        fmt, rule = (config.high, hi_rule) if uniform == "high" else (config.low, lo_rule)
+        q_hi, k_hi = _dequantized(q32, fmt, rule, operands), _dequantized(k32, fmt, rule, operands, tile)
         q_lo = k_lo = None
 
     def high_fn(q_pos, k_pos):

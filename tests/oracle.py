@@ -20,6 +20,12 @@ ELEMENT = {
 }
 
 
+# docs/design.md's default block-scale rules.
+DEFAULT_RULE = {"mxfp8_e4m3": "up", "mxfp8_e5m2": "up", "mxfp4": "floor", "nvfp4": "nearest"}
+RULES = {"mxfp8_e4m3": ("up", "floor", "nearest"), "mxfp8_e5m2": ("up", "floor", "nearest"),
+         "mxfp4": ("up", "floor", "nearest"), "nvfp4": ("nearest", "up", "floor", "4/6")}
+
+
 def _flush(x):
     x = np.asarray(x, np.float32)
     return np.where(np.abs(x) < np.float32(2.0**-126), np.copysign(np.float32(0), x), x)
@@ -35,18 +41,67 @@ def pack(codes):
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 
-def quantize(x, fmt):
-    """Return (codes, scales, token_scale or None, dequantized float64)."""
+_E4M3_GRID = np.arange(0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)  # 0 .. 448
+
+
+def _mx_exponent(amax, fmt, rule):
+    """E8M0 exponent of blocks with finite amax (zero allowed) under ``rule``."""
+    _, vmax, emax, _ = ELEMENT[fmt]
+    man = {"mxfp8_e4m3": 3, "mxfp8_e5m2": 2, "mxfp4": 1}[fmt]
+    _, ex = np.frexp(amax)
+    floor = np.where(amax > 0, ex - 1, -127) - emax
+    if rule == "up":
+        # the smallest e with amax / 2^e <= vmax: ceil(log2(amax / vmax)), from frexp
+        m, ex = np.frexp(np.where(amax > 0, amax / vmax, 1.0))
+        e = np.where(amax > 0, np.where(m == 0.5, ex - 1, ex), -127)
+    elif rule == "nearest":
+        top = np.where(amax > 0, amax / 2.0**floor, 0)  # in [2^emax, 2^(emax + 1))
+        rounded = np.round(top / 2.0 ** (emax - man)) * 2.0 ** (emax - man)
+        e = floor + (rounded > vmax)
+    else:
+        e = floor
+    return np.clip(e, -127, 127)
+
+
+def _e4m3_scale(sb_f, rule):
+    """An E4M3 block scale for sb_f >= 0: nearest (ml_dtypes), or the smallest E4M3 value
+    >= sb_f ("up", at most 448) / the largest <= sb_f ("floor")."""
+    codes, sb = _cast(sb_f, ml_dtypes.float8_e4m3fn, 448.0)
+    if rule == "up":
+        i = np.minimum(np.searchsorted(_E4M3_GRID, sb_f, side="left"), len(_E4M3_GRID) - 1)
+        sb = _E4M3_GRID[i]
+    elif rule == "floor":
+        sb = _E4M3_GRID[np.maximum(np.searchsorted(_E4M3_GRID, sb_f, side="right") - 1, 0)]
+    codes = sb.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return codes, sb
+
+
+def _pairwise_f32(x):
+    x = x.astype(np.float32)
+    while x.shape[-1] > 1:
+        x = (x[..., 0::2] + x[..., 1::2]).astype(np.float32)
+    return x[..., 0]
+
+
+def _nvfp4_blocks(xs, sb, finite, zero, dtype, vmax):
+    usable = finite & (sb > 0)
+    v = (xs / np.where(usable, sb, 1).astype(np.float32)).astype(np.float32)
+    v = np.where(usable, v, zero)
+    return _cast(np.where(np.isfinite(v), v, 0), dtype, vmax)
+
+
+def quantize(x, fmt, rule=None):
+    """Return (codes, scales, token_scale or None, dequantized float64). ``rule``: the
+    block-scale rule (default: the format's documented default)."""
     dtype, vmax, emax, block = ELEMENT[fmt]
+    rule = rule or DEFAULT_RULE[fmt]
     x = _flush(x)
     xb = x.reshape(*x.shape[:-1], -1, block)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         if fmt != "nvfp4":
             amax = np.abs(xb).max(-1, keepdims=True)
             finite = np.isfinite(amax)
-            _, ex = np.frexp(np.where(finite, amax, 0))
-            e = np.where(amax > 0, ex - 1, -127) - emax
-            e = np.clip(e, -127, 127)
+            e = _mx_exponent(np.where(finite, amax, 0), fmt, rule)
             scaled = np.where(finite, xb.astype(np.float64) / 2.0**e, 0)
             codes, vals = _cast(scaled, dtype, vmax)
             scales = np.where(finite, e + 127, 255).astype(np.uint8)[..., 0]
@@ -61,12 +116,19 @@ def quantize(x, fmt):
             amax_b = np.abs(xb).max(-1, keepdims=True)
             sb_f = (amax_b / (np.float32(6) * s2b)).astype(np.float32)
             finite = np.isfinite(sb_f)
-            sb_codes, sb = _cast(np.where(finite, sb_f, 0), ml_dtypes.float8_e4m3fn, 448.0)
-            v = ((xb / s2b) / sb.astype(np.float32)).astype(np.float32)
+            sb_codes, sb = _e4m3_scale(np.where(finite, sb_f, 0), rule)
+            xs = (xb / s2b).astype(np.float32)
             zero = np.where(np.isnan(xb), np.float32(0), np.copysign(np.float32(0), xb))
-            v = np.where(finite & (sb > 0), v, zero)
-            v = np.where(np.isfinite(v), v, 0)
-            codes, vals = _cast(v, dtype, vmax)
+            codes, vals = _nvfp4_blocks(xs, sb, finite, zero, dtype, vmax)
+            if rule == "4/6":
+                sb4_codes, sb4 = _cast(np.where(finite, (amax_b / (4 * s2b)).astype(np.float32), 0),
+                                       ml_dtypes.float8_e4m3fn, 448.0)
+                codes4, vals4 = _nvfp4_blocks(xs, sb4, finite, zero, dtype, vmax)
+                err6 = _pairwise_f32(np.abs(xs - vals * sb))
+                err4 = _pairwise_f32(np.abs(xs - vals4 * sb4))
+                four = (err4 < err6)[..., None]
+                sb_codes, sb = np.where(four, sb4_codes, sb_codes), np.where(four, sb4, sb)
+                codes, vals = np.where(four, codes4, codes), np.where(four, vals4, vals)
             scales = np.where(finite, sb_codes, 0x7F).astype(np.uint8)[..., 0]
             # Dequantize as the numerics say, (e * sb) * s2, in float32 (e * sb is exact).
             deq = (vals * np.where(finite, sb, np.nan)).astype(np.float32) * s2b
@@ -81,10 +143,10 @@ def _e4m3(values):
     return _cast(values, ml_dtypes.float8_e4m3fn, 448.0)[1]
 
 
-def fp8_per_token(x, fmt):
+def fp8_per_token(x, fmt, rule=None):
     """(float64 E4M3 values, float64 token scale) of the per-token FP8 copy
     (the sm_90 kernel's operand), built from this module's own quantize."""
-    codes, scales, token, deq = quantize(x, fmt)
+    codes, scales, token, deq = quantize(x, fmt, rule)
     block = ELEMENT[fmt][3]
     with np.errstate(invalid="ignore", over="ignore"):
         if fmt != "nvfp4":
@@ -107,12 +169,12 @@ def fp8_per_token(x, fmt):
     return vals, scale
 
 
-def fp8_per_tile(x, fmt, tile=128):
+def fp8_per_tile(x, fmt, tile=128, rule=None):
     """(float64 E4M3 values, float64 scales [B, ceil(L / tile), H]) of K's per-tile FP8
     copy for x [B, L, H, D]: the largest per-token scale of the tile's finite (for
     NVFP4 also non-zero) tokens, every value re-rounded to E4M3 against it."""
-    codes, scales, token, deq = quantize(x, fmt)
-    _, tok_scale = fp8_per_token(x, fmt)
+    codes, scales, token, deq = quantize(x, fmt, rule)
+    _, tok_scale = fp8_per_token(x, fmt, rule)
     b, n, h, d = deq.shape
     finite = np.isfinite(tok_scale)
 
@@ -162,13 +224,22 @@ def is_high(p, t, causal, diag, sink, tile=128):
     return (tk < sink) | (near < diag)
 
 
+def sylvester(d):
+    """The unnormalised Walsh–Hadamard matrix of order d (Sylvester's construction)."""
+    h = np.ones((1, 1))
+    while len(h) < d:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
 def dma_attention(q, k, v, *, causal=True, diag=1, sink=1, high="mxfp8_e4m3",
                   low="nvfp4", smooth_k=True, sm_scale=None, q_offset=None,
-                  p_dtype=None, operands="exact", pv="input"):
+                  p_dtype=None, operands="exact", pv="input", high_rule=None, low_rule=None, rotate="none"):
     """Float64 DMA per docs/design.md (pre-processing, pairs, computation); ``diag=None`` means exact (no quantization).
 
     ``operands="fp8"``: Q·Kᵀ from the FP8 copies (Q per token, K per 128-key tile). ``pv="fp8"``: P·2^8 and V
-    (per-channel scale) rounded to E4M3."""
+    (per-channel scale) rounded to E4M3. ``rotate="hadamard"``: Q and K times the Hadamard matrix (in float64, then
+    float32), 1/D in the softmax scale. Smooth-K's mean is over the keys whose elements are all finite."""
     q32, k32, v64 = (np.asarray(a, np.float32) for a in (q, k, v))
     v64 = v64.astype(np.float64)
     b, lq, hq, d = q32.shape
@@ -182,17 +253,26 @@ def dma_attention(q, k, v, *, causal=True, diag=1, sink=1, high="mxfp8_e4m3",
         s = np.einsum("bqhgd,bkhd->bhgqk", qf.reshape(b, lq, hkv, g, d), kf)
     else:
         if smooth_k:
-            k32 = (k32 - k32.mean(axis=1, keepdims=True, dtype=np.float32)).astype(np.float32)
-        qs = (q32 * np.float32(scale * math.log2(math.e))).astype(np.float32)
+            ok = np.isfinite(k32).all(-1, keepdims=True)
+            with np.errstate(invalid="ignore"):
+                mean = np.where(ok, k32, 0).sum(1, keepdims=True, dtype=np.float64) / np.maximum(ok.sum(1, keepdims=True), 1)
+            k32 = (k32 - mean).astype(np.float32)
+        fold = scale * math.log2(math.e)
+        if rotate == "hadamard":
+            with np.errstate(invalid="ignore"):
+                q32 = (q32.astype(np.float64) @ sylvester(d)).astype(np.float32)
+                k32 = (k32.astype(np.float64) @ sylvester(d)).astype(np.float32)
+            fold /= d
+        qs = (q32 * np.float32(fold)).astype(np.float32)
         parts = {}
-        for fmt in (high, low):
+        for fmt, rule in ((high, high_rule), (low, low_rule)):
             if operands == "fp8":
-                vals, scale = fp8_per_token(qs, fmt)
+                vals, scale = fp8_per_token(qs, fmt, rule)
                 dq = vals * scale[..., None]
-                vals, scale = fp8_per_tile(k32, fmt)
+                vals, scale = fp8_per_tile(k32, fmt, rule=rule)
                 dk = vals * np.repeat(scale, 128, axis=1)[:, :lk, :, None]
             else:
-                dq, dk = quantize(qs, fmt)[3], quantize(k32, fmt)[3]
+                dq, dk = quantize(qs, fmt, rule)[3], quantize(k32, fmt, rule)[3]
             parts[fmt] = np.einsum("bqhgd,bkhd->bhgqk", dq.reshape(b, lq, hkv, g, d), dk)
         p = (off + np.arange(lq))[:, None]
         t = np.arange(lk)[None, :]

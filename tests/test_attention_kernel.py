@@ -47,9 +47,7 @@ def kernel_vs_reference(q, k, v, *, causal, config, q_offset=None, native=None, 
     offset = lk - lq if q_offset is None else q_offset
     out = dma_attention(
         q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal, q_offset=offset,
-        diag_tiles=config.diag_tiles, sink_tiles=config.sink_tiles, high=config.high,
-        low=config.low, smooth_k=config.smooth_k, sm_scale=config.softmax_scale(d), pv=config.pv,
-        native=native, launch=launch,
+        native=native, launch=launch, **config.kernel_options(d),
     ).float().cpu().numpy()
     operands = "exact" if native else "fp8"
     with jax.default_device(jax.devices("cpu")[0]):
@@ -124,6 +122,25 @@ def test_nan_propagates_to_its_rows():
     mask = np.ones(out.shape[:3], bool)
     mask[0, 7, 1] = False
     assert np.isfinite(out[mask]).all()
+
+
+@pytest.mark.parametrize("config", [DMAConfig(rotate="hadamard", low_rule="4/6"),
+                                    DMAConfig(low="mxfp4", high_rule="floor", low_rule="up", rotate="hadamard")],
+                         ids=["hadamard-4/6", "hadamard-mxfp4-floor-up"])
+def test_rotation_and_scale_rules_match_reference(config):
+    q, k, v = make(9, 1, 200, 200, 2, 1, 64, "bf16")
+    out, ref = kernel_vs_reference(q, k, v, causal=True, config=config)
+    assert oracle.rel_l2(out, ref) <= 4e-3
+
+
+def test_non_finite_key_poisons_only_the_rows_that_see_it():
+    """Smooth-K's mean skips the Inf key: only the rows at or after it (causal) of its
+    head group turn NaN, and every other row matches the reference."""
+    q, k, v = make(8, 1, 200, 200, 2, 1, 64, "fp16")
+    k[0, 150, 0, 9] = float("inf")
+    out, ref = kernel_vs_reference(q, k, v, causal=True, config=DMAConfig())
+    assert np.isnan(out[0, 150:]).all() and np.isfinite(out[0, :150]).all()
+    assert oracle.rel_l2(out[0, :150], ref[0, :150]) <= 2e-3
 
 
 @pytest.mark.parametrize("diag,sink", [(1, 1), (0, 0), (2, 1)])

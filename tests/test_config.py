@@ -5,6 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from triton_kernels.format_table import FORMATS
+
 from dma_jax import DMAConfig
 from dma_jax.config import ALL_TILES
 
@@ -54,11 +56,26 @@ def test_bad_values_name_the_field(field, value, message):
 def test_kernel_options_carry_every_field_the_kernels_need():
     """Both front ends pass these to the launch plan: a field left out would be ignored
     on the GPU while the reference honours it."""
-    c = DMAConfig(diag_tiles=3, sink_tiles=0, high="mxfp8_e5m2", low="mxfp4", smooth_k=False, sm_scale=0.2, pv="fp8")
+    c = DMAConfig(diag_tiles=3, sink_tiles=0, high="mxfp8_e5m2", low="mxfp4", smooth_k=False, sm_scale=0.2, pv="fp8",
+                  high_rule="floor", low_rule="nearest", rotate="hadamard")
     assert c.kernel_options(64) == dict(diag_tiles=3, sink_tiles=0, high="mxfp8_e5m2", low="mxfp4", smooth_k=False,
-                                        sm_scale=0.2, pv="fp8")
+                                        sm_scale=0.2, pv="fp8", high_rule="floor", low_rule="nearest", rotate=True)
     assert {f.name for f in dataclasses.fields(DMAConfig)} == set(c.kernel_options(64))
-    assert DMAConfig().kernel_options(64)["sm_scale"] == 64**-0.5
+    default = DMAConfig().kernel_options(64)
+    assert default["sm_scale"] == 64**-0.5
+    # None resolves to the formats' documented defaults.
+    assert (default["high_rule"], default["low_rule"]) == (FORMATS["mxfp8_e4m3"].default_rule,
+                                                           FORMATS["nvfp4"].default_rule)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("high_rule", "4/6", r"DMAConfig.high_rule: mxfp8_e4m3 block scales accept the rules \('up', 'floor', 'nearest'\); got '4/6'"),
+    ("low_rule", "ceil", r"DMAConfig.low_rule: nvfp4 block scales accept the rules .*'4/6'\); got 'ceil'"),
+    ("rotate", True, r"DMAConfig.rotate must be one of \('none', 'hadamard'\); got True"),
+])
+def test_bad_rules_and_rotation(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DMAConfig(**{field: value})
 
 
 def test_tile_size_is_not_a_config_field():

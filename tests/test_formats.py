@@ -26,9 +26,12 @@ def on_xla_cpu():
         yield
 
 
-def check_against_oracle(x, fmt):
-    codes, scales, token, deq = oracle.quantize(x, fmt)
-    got = quantize(jnp.asarray(x), fmt)
+FORMAT_RULES = [(f, r) for f in ALL for r in oracle.RULES[f]]
+
+
+def check_against_oracle(x, fmt, rule=None):
+    codes, scales, token, deq = oracle.quantize(x, fmt, rule)
+    got = quantize(jnp.asarray(x), fmt, rule)
     np.testing.assert_array_equal(np.asarray(got.codes), codes)
     np.testing.assert_array_equal(np.asarray(got.scales), scales)
     if token is None:
@@ -36,6 +39,7 @@ def check_against_oracle(x, fmt):
     else:
         np.testing.assert_array_equal(np.asarray(got.token_scale), token)
     np.testing.assert_array_equal(np.asarray(dequantize(got, fmt), np.float64), deq)
+    return np.asarray(dequantize(got, fmt), np.float64)
 
 
 def grid(block, values):
@@ -116,15 +120,68 @@ def test_nvfp4_ties_with_unit_scales():
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8_e4m3"])
-def test_mx_block_max_saturates(fmt):
+def test_mx_floor_rule_saturates_the_block_max(fmt):
     """OCP's scale rule can map a block max above the element max: it saturates."""
     vmax = oracle.ELEMENT[fmt][1]
     x = np.zeros((1, 32), np.float32)
     x[0, 0] = 7.0 if fmt == "mxfp4" else 500.0
     x[0, 1] = -x[0, 0]
-    deq = np.asarray(dequantize(quantize(jnp.asarray(x), fmt), fmt))
+    deq = check_against_oracle(x, fmt, "floor")
     assert deq[0, 0] == vmax and deq[0, 1] == -vmax
-    check_against_oracle(x, fmt)
+
+
+@pytest.mark.parametrize("fmt, rule", FORMAT_RULES)
+def test_every_rule_matches_oracle(fmt, rule):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 9, 128)).astype(np.float32) * rng.uniform(1e-3, 1e3, (6, 9, 1))
+    x[:, :, [3, 70]] *= 40.0  # outlier channels
+    x[0, 0] = 0.0
+    x[1, 1, 5] = np.nan
+    x[2, 2, 100] = -np.inf
+    check_against_oracle(x, fmt, rule)
+    check_against_oracle(x.astype(ml_dtypes.bfloat16).astype(np.float32), fmt, rule)
+
+
+@pytest.mark.parametrize("fmt, rule", [fr for fr in FORMAT_RULES if fr[0] != "nvfp4"])
+def test_mx_rules_at_their_thresholds(fmt, rule):
+    """Block maxima swept over one binade: the element max, the rounding midpoint
+    above it and their float32 neighbours, where the three rules part."""
+    _, vmax, emax, block = oracle.ELEMENT[fmt]
+    step = {"mxfp8_e4m3": 32.0, "mxfp8_e5m2": 8192.0, "mxfp4": 2.0}[fmt]
+    tops = np.float32([vmax, vmax + step / 2, 2.0 ** (emax + 1) - step / 4, 2.0 ** emax, 1.5 * 2.0 ** emax])
+    tops = np.concatenate([tops, np.nextafter(tops, 0), np.nextafter(tops, np.inf)])
+    x = np.zeros((len(tops), block), np.float32)
+    x[:, 0] = tops * np.float32(2.0**-3)
+    x[:, 1] = -np.float32(0.3) * tops
+    check_against_oracle(x, fmt, rule)
+
+
+@pytest.mark.parametrize("fmt, rule", [("mxfp8_e4m3", "up"), ("mxfp8_e5m2", "up"), ("mxfp4", "up"),
+                                       ("nvfp4", "up")])
+def test_up_rules_never_saturate(fmt, rule):
+    """Rounded-up scales: a block's largest element moves by at most half an element
+    step (relative 2^-(man + 1)), however it sits against the element max."""
+    man = {"mxfp8_e4m3": 3, "mxfp8_e5m2": 2, "mxfp4": 1, "nvfp4": 1}[fmt]
+    rng = np.random.default_rng(5)
+    block = oracle.ELEMENT[fmt][3]
+    x = rng.uniform(-1, 1, (4096, block)).astype(np.float32) * np.exp2(rng.uniform(-8, 8, (4096, 1))).astype(np.float32)
+    deq = check_against_oracle(x, fmt, rule).reshape(x.shape)
+    top = np.argmax(np.abs(x), axis=1)
+    xt, dt = x[np.arange(len(x)), top].astype(np.float64), deq[np.arange(len(x)), top]
+    assert (np.abs(dt - xt) <= np.abs(xt) * 2.0 ** -(man + 1) * (1 + 1e-6)).all()
+
+
+def test_four_over_six_never_reconstructs_worse():
+    """4/6 keeps whichever of its two scales reconstructs a block better, so its
+    per-block error never exceeds the nearest rule's (both from the oracle, float64)."""
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((512, 128)).astype(np.float32) * np.exp2(rng.uniform(-4, 4, (512, 1))).astype(np.float32)
+    deq6 = check_against_oracle(x, "nvfp4", "nearest")
+    deq46 = check_against_oracle(x, "nvfp4", "4/6")
+    err = lambda d: np.abs(d - x).reshape(512, 8, 16).sum(-1)  # noqa: E731
+    assert (err(deq46) <= err(deq6) * (1 + 1e-5) + 1e-30).all()
+    assert (deq46 != deq6).any(), "some blocks take the scale to 4"
+    assert err(deq46).sum() < err(deq6).sum()
 
 
 @pytest.mark.parametrize("fmt", ALL)
@@ -193,6 +250,8 @@ def test_bad_arguments():
         quantize(jnp.ones((2, 48)), "mxfp8_e4m3")
     with pytest.raises(TypeError, match="floating-point"):
         quantize(jnp.ones((32,), jnp.int32), "mxfp4")
+    with pytest.raises(ValueError, match=r"mxfp4 block scales accept the rules \('up', 'floor', 'nearest'\); got '4/6'"):
+        quantize(jnp.ones((32,)), "mxfp4", "4/6")
 
 
 @pytest.mark.parametrize("fmt", ALL)
@@ -206,13 +265,13 @@ def test_tiny_normal_blocks(fmt, value):
     check_against_oracle(x, fmt)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
-    fmt=st.sampled_from(ALL),
+    fr=st.sampled_from(FORMAT_RULES),
     x=hnp.arrays(np.float32, (3, 64), elements=st.floats(-1e6, 1e6, width=32)),
 )
-def test_property_matches_oracle(fmt, x):
-    check_against_oracle(x, fmt)
+def test_property_matches_oracle(fr, x):
+    check_against_oracle(x, *fr)
 
 
 def check_fp8_copy(x, fmt):

@@ -205,3 +205,31 @@ def test_sm90_gluon_kernel_propagates_nan():
     expected = np.isnan(cpu_reference(q, k, v, causal=True, config=DMAConfig()))
     assert expected[0, 200, 1].all() and expected.sum() == 128
     np.testing.assert_array_equal(np.isnan(out), expected)
+
+
+RULE_CONFIGS = [DMAConfig(rotate="hadamard"), DMAConfig(high_rule="floor", low_rule="4/6"),
+                DMAConfig(low="mxfp4", high_rule="nearest", low_rule="up", rotate="hadamard"),
+                DMAConfig(low_rule="floor", high="mxfp8_e5m2")]
+
+
+@pytest.mark.parametrize("cfg", RULE_CONFIGS, ids=lambda c: f"{c.high}-{c.low}-{c.scale_rules}-{c.rotate}")
+@pytest.mark.parametrize("d", [64, 128])
+def test_scale_rules_and_rotation_match_reference(cfg, d):
+    """Every scale rule and the rotation on odd shapes (GQA, ragged lengths), through
+    JAX and torch: the reference's numbers, and the same bits from both front ends."""
+    q, k, v = inputs(11 + d, 1, 333, 333, 6, 2, d)
+    out = np.asarray(jax.jit(lambda q, k, v: dma_jax.attention(q, k, v, causal=True, config=cfg))(q, k, v),
+                     np.float32)
+    assert oracle.rel_l2(out, cpu_reference(q, k, v, causal=True, config=cfg)) <= tolerance(jnp.bfloat16)
+    t_out = torch_attention(*(bridge.to_torch(x) for x in (q, k, v)), causal=True, config=cfg)
+    np.testing.assert_array_equal(t_out.float().cpu().numpy(), out)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_non_finite_key_poisons_only_the_rows_that_see_it(causal):
+    q, k, v = inputs(6, 1, 400, 400, 4, 2, 128)
+    k = k.at[0, 250, 1, 17].set(jnp.inf)
+    out = np.asarray(jax.jit(lambda q, k, v: dma_jax.attention(q, k, v, causal=causal))(q, k, v), np.float32)
+    bad = np.zeros(out.shape[:3], bool)
+    bad[0, 250 if causal else 0:, 2:] = True  # kv head 1 serves query heads 2 and 3
+    assert np.isnan(out[bad]).all() and np.isfinite(out[~bad]).all()

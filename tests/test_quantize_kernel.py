@@ -18,6 +18,7 @@ import triton.language as tl
 
 from dma_jax import quantize
 from dma_jax.formats import fp8_per_channel, fp8_per_tile, fp8_per_token
+from dma_jax.rotation import hadamard
 from triton_kernels.format_table import FORMATS
 from triton_kernels.mx import div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small, mul_flushed, round_e2m1, round_e4m3
 from triton_kernels import plan as plans
@@ -52,26 +53,36 @@ def inputs(kind, shape, seed=0):
     return x
 
 
-def expected(x32, fmt):
+def expected(x32, fmt, rule=None):
     # The oracle is dma_jax.formats on XLA's CPU backend, also on a GPU machine.
     with jax.default_device(jax.devices("cpu")[0]):
-        q = quantize(jnp.asarray(x32), fmt)
+        q = quantize(jnp.asarray(x32), fmt, rule)
         return [np.asarray(a) for a in q if a is not None]
 
 
-def check(x, *, high, low, fold=1.0, smooth=False, dtype=torch.bfloat16):
+def prepared(xt, *, fold, mean=None, rotate=False):
+    """The float32 pre-processing of the kernels in jnp: (x - mean), rotated, times fold."""
+    x32 = xt.float().cpu().numpy()
+    if mean is not None:
+        x32 = (x32 - mean.cpu().numpy()[:, None]).astype(np.float32)
+    if rotate:
+        with jax.default_device(jax.devices("cpu")[0]):
+            x32 = np.asarray(hadamard(jnp.asarray(x32)))
+    return (x32 * np.float32(fold)).astype(np.float32)
+
+
+def check(x, *, high, low, fold=1.0, smooth=False, dtype=torch.bfloat16, high_rule=None, low_rule=None,
+          rotate=False):
     xt = torch.from_numpy(x).to(dtype).to(DEVICE)
     mean = channel_mean(xt) if smooth else None
-    got = dual_quantize(xt, high=high, low=low, fold=fold, mean=mean)
+    got = dual_quantize(xt, high=high, low=low, fold=fold, mean=mean, high_rule=high_rule, low_rule=low_rule,
+                        rotate=rotate)
     # The same float32 pre-processing, then dma_jax.formats.
-    x32 = xt.float().cpu().numpy()
-    if smooth:
-        x32 = x32 - mean.cpu().numpy()[:, None]
-    x32 = (x32 * np.float32(fold)).astype(np.float32)
+    x32 = prepared(xt, fold=fold, mean=mean, rotate=rotate)
     hi = [got.hi_codes, got.hi_scales]
     lo = [got.lo_codes, got.lo_scales] + ([got.lo_token_scale] if low == "nvfp4" else [])
-    for fmt, tensors in ((high, hi), (low, lo)):
-        for name, g, w in zip(("codes", "scales", "token_scale"), tensors, expected(x32, fmt)):
+    for fmt, rule, tensors in ((high, high_rule, hi), (low, low_rule, lo)):
+        for name, g, w in zip(("codes", "scales", "token_scale"), tensors, expected(x32, fmt, rule)):
             g = g.cpu().numpy()
             assert g.shape == w.shape, (fmt, name)
             if name == "token_scale":
@@ -85,6 +96,21 @@ def check(x, *, high, low, fold=1.0, smooth=False, dtype=torch.bfloat16):
 @pytest.mark.parametrize("high,low", [("mxfp8_e4m3", "nvfp4"), ("mxfp8_e5m2", "mxfp4")])
 def test_bytes_equal_formats(kind, high, low):
     check(inputs(kind, (2, 37, 3, 64)), high=high, low=low, fold=0.3)
+
+
+RULE_CASES = [("mxfp8_e4m3", "nvfp4", "floor", "4/6", False), ("mxfp8_e4m3", "nvfp4", "nearest", "up", True),
+              ("mxfp8_e4m3", "nvfp4", "up", "floor", False), ("mxfp8_e4m3", "nvfp4", "up", "4/6", True),
+              ("mxfp8_e5m2", "mxfp4", "floor", "nearest", True), ("mxfp8_e4m3", "mxfp4", "nearest", "up", False)]
+
+
+@pytest.mark.parametrize("kind", ["outliers", "nan"])
+@pytest.mark.parametrize("high, low, high_rule, low_rule, rotate", RULE_CASES)
+def test_scale_rules_and_rotation_bytes_equal_formats(kind, high, low, high_rule, low_rule, rotate):
+    """Every block-scale rule, with and without the Hadamard rotation (smoothed first,
+    folded after), gives dma_jax.formats' bytes."""
+    x = inputs(kind, (1, 45, 2, 64), seed=4)
+    check(x, high=high, low=low, fold=0.3, smooth=kind == "outliers", high_rule=high_rule, low_rule=low_rule,
+          rotate=rotate)
 
 
 @pytest.mark.parametrize("low", ["nvfp4", "mxfp4"])
@@ -464,6 +490,24 @@ def test_channel_mean_against_float64():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_channel_mean_skips_non_finite_tokens():
+    """Smooth-K's mean is over the tokens whose elements are all finite (zero where
+    there is none), so a NaN or Inf key does not reach the other keys' copies."""
+    x = inputs("random", (2, 150, 2, 64), seed=6)
+    x[0, 3, 0, 7] = np.nan
+    x[0, 90, 0, 0] = np.inf
+    x[1, 149, 1, 63] = -np.inf
+    x[1, :, 0, 5] = np.nan  # every token of one head
+    xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
+    x64 = xt.double().cpu().numpy()
+    ok = np.isfinite(x64).all(-1, keepdims=True)
+    want = np.where(ok, x64, 0).sum(1) / np.maximum(ok.sum(1), 1)
+    for chunk in (16, None):
+        got = channel_mean(xt, chunk=chunk).cpu().numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert (got[1, 0] == 0).all()
+
+
 # 13 partials (two steps of 8, padded) and 4
 @pytest.mark.parametrize("chunk", [16, pytest.param(64, marks=pytest.mark.slow)])
 def test_mean_formed_in_the_quantize_launch_has_channel_means_bits(chunk):
@@ -473,8 +517,8 @@ def test_mean_formed_in_the_quantize_launch_has_channel_means_bits(chunk):
     xt = torch.from_numpy(inputs("outliers", (2, 200, 2, 64), seed=9)).to(torch.bfloat16).to(DEVICE)
     sums, launch = quantize_plan(Buffer("x", tuple(xt.shape), "bfloat16"), Target.interpreter(), smooth=True,
                                  chunk=chunk).launches
-    assert sums.outputs[0].shape == (-(-200 // chunk), 2, 2, 64) and launch.args[1:4] == (
-        "x_sums", plans.Scalar(-(-200 // chunk), "i32"), plans.Scalar(200, "i32"))
+    assert sums.outputs[0].shape == (-(-200 // chunk), 2, 2, 64) and launch.args[1:5] == (
+        "x_sums", "x_sums_count", plans.Scalar(-(-200 // chunk), "i32"), plans.Scalar(1, "i32"))
     for mode in (dict(codes=True, fp8=False), dict(codes=False, fp8=True, per_tile=True)):
         want = dual_quantize(xt, mean=channel_mean(xt, chunk=chunk), **mode)
         got = dual_quantize(xt, smooth=True, chunk=chunk, **mode)

@@ -91,12 +91,18 @@ def test_nan_propagates_to_its_rows():
     k[1, 9, 0, 0] = np.inf
     got = np.asarray(reference_attention(q, k, v, causal=True))
     assert np.isnan(got[0, 7, 1]).all()
-    # K's mean (smooth-K) carries the Inf into every key of that batch and kv head.
-    assert np.isnan(got[1, :, :2]).all()
+    # The Inf key poisons exactly the rows that see it (causal: positions >= 9) of the
+    # query heads sharing its kv head: smooth-K's mean is over the finite keys only.
     nan_rows = np.zeros(got.shape[:3], bool)
     nan_rows[0, 7, 1] = True
-    nan_rows[1, :, :2] = True
+    nan_rows[1, 9:, :2] = True
+    assert np.isnan(got[nan_rows]).all()
     assert np.isfinite(got[~nan_rows]).all()
+    want = oracle.dma_attention(np.where(np.isnan(q), 0, q), np.where(np.isinf(k), 0, k), v, causal=True)
+    # Rows that see no bad input match the oracle run on the same keys minus the bad
+    # one's influence on the mean: exactly the finite-key mean.
+    assert oracle.rel_l2(got[1, :9], oracle.dma_attention(q, k, v, causal=True)[1, :9]) < 2e-3
+    assert np.isfinite(want).all()
 
 
 def test_gqa_equals_repeated_heads():

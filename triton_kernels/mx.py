@@ -191,6 +191,67 @@ def e4m3_bytes_on_grid_or_small(y, HW: tl.constexpr):
 
 
 @triton.jit
+def round_significand(a, MAN_BITS: tl.constexpr):
+    """Non-negative float32 a (at least 1, or zero) rounded to MAN_BITS mantissa bits,
+    ties to even, with no exponent bound (``dma_jax.formats.round_significand``)."""
+    e = tl.maximum(exponent(a), 0)
+    return _round_to_quantum(a, pow2(MAN_BITS - e), pow2(e - MAN_BITS), a)
+
+
+@triton.jit
+def mx_exponent(amax, EMAX: tl.constexpr, MAN_BITS: tl.constexpr, MAX_VALUE: tl.constexpr, RULE: tl.constexpr):
+    """The E8M0 scale exponent, in [-127, 127], of blocks with finite amax >= 0 under
+    RULE ("up", "floor" or "nearest"; ``format_table.SCALE_RULES``), as
+    ``dma_jax.formats.mx_exponent``: OCP's floor(log2 amax) - EMAX, one step up where
+    amax / 2^e (rounded to the element's precision for "nearest") exceeds MAX_VALUE."""
+    e = tl.minimum(tl.maximum(exponent(amax) - EMAX, -127), 127)
+    if RULE != "floor":
+        # amax / 2^e, exact: -e lies in [-125, 127].
+        top = amax * pow2(-e)
+        if RULE == "nearest":
+            top = round_significand(top, MAN_BITS)
+        e = e + (top > MAX_VALUE).to(tl.int32)
+    return e
+
+
+@triton.jit
+def e4m3_value(code):
+    """The float32 value of a non-negative E4M3 code (int32 in [0, 0x7E]), decoded in
+    integer and exact float32 arithmetic."""
+    exp = code >> 3
+    man = (code & 7).to(tl.float32)
+    return tl.where(exp == 0, man * 0.001953125, (man + 8.0) * pow2(exp - 10))
+
+
+@triton.jit
+def e4m3_scale(sb_f, RULE: tl.constexpr):
+    """An E4M3 block scale for finite sb_f >= 0 (``dma_jax.formats.e4m3_scale``):
+    nearest, ties to even ("nearest", "4/6"), or the neighbour above ("up") or below
+    ("floor") where nearest misses sb_f; positive E4M3 codes are ordered like their
+    values, so a neighbour is the code plus or minus one."""
+    sb = round_to_e4m3_emulated(sb_f)
+    if RULE == "up" or RULE == "floor":
+        code = element_code(sb, E4M3_EXP_BITS.value, E4M3_MAN_BITS.value, E4M3_EMIN.value)
+        if RULE == "up":
+            code = tl.where((sb < sb_f) & (code < 0x7E), code + 1, code)
+        else:
+            code = tl.where((sb > sb_f) & (code > 0), code - 1, code)
+        sb = e4m3_value(code)
+    return sb
+
+
+@triton.jit
+def pairwise_sum(x, N: tl.constexpr):
+    """Sum over the last axis (N long, a power of two) of a 3-d x as a tree of
+    neighbour pairs, (x0 + x1) + (x2 + x3) ...: the order of
+    ``dma_jax.formats.pairwise_sum``, so that both round alike."""
+    for i in tl.static_range(N.bit_length() - 1):
+        a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], N >> (i + 1), 2)))
+        x = a + b
+    return tl.reshape(x, (x.shape[0], x.shape[1]))
+
+
+@triton.jit
 def element_code(r, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.constexpr):
     """Bit pattern (int32) of an exactly representable element value r."""
     bits = r.to(tl.uint32, bitcast=True)

@@ -22,7 +22,7 @@ from . import attention as attn
 from . import attention_sm90 as attn90
 from . import quantize as quant
 from . import tuning
-from .format_table import FORMATS
+from .format_table import FORMATS, check_rule
 from .geometry import TILE, all_high, band_covering_all, check_extent, padded_length, query_blocks
 from .target import Target, resolve_native, uses_sm90_kernel
 
@@ -109,23 +109,26 @@ def ftz_multiplier(f: float) -> bool:
 # -- channel reductions ---------------------------------------------------------------
 
 def _channel_reduce(x: Buffer, out: str, *, amax: bool, chunk: int | None = None) -> Launch:
-    """Partial sums (or abs-maxima) of ``x [B, L, H, D]`` over chunks of tokens, into
-    ``out [n_chunks, B, H, D]``."""
+    """Partial sums over the finite tokens of ``x [B, L, H, D]`` (or abs-maxima over all)
+    over chunks of tokens, into ``out [n_chunks, B, H, D]``, and for sums the counts of
+    those tokens into ``{out}_count [n_chunks, B, H]``."""
     b, length, h, d = x.shape
     chunk = tuning.mean_chunk(x.shape) if chunk is None else chunk
     n_chunks = -(-length // chunk)
+    counts = (n_chunks, b, h) if not amax else (1,)
     return Launch(quant._channel_reduce_kernel, (n_chunks, h, b), (x.name, _i32(length), _i32(h), _i32(chunk)),
-                  (Buffer(out, (n_chunks, b, h, d), "float32"),),
+                  (Buffer(out, (n_chunks, b, h, d), "float32"), Buffer(f"{out}_count", counts, "float32", not amax)),
                   _meta(D=d, BLOCK_T=tuning.MEAN_BLOCK_T, AMAX=amax))
 
 
 def channel_mean_plan(x: Buffer, *, chunk: int | None = None) -> Plan:
-    """The float32 mean of ``x [B, L, H, D]`` over L, ``[B, H, D]``: partial sums, then
-    their total in chunk order (the bits that a smoothed quantize launch forms)."""
+    """Smooth-K's float32 mean of ``x [B, L, H, D]`` over the tokens whose elements are
+    all finite, ``[B, H, D]`` (zero where none is): partial sums and counts, then their
+    totals in chunk order (the bits that a smoothed quantize launch forms)."""
     b, length, h, d = x.shape
     sums = _channel_reduce(x, "sums", amax=False, chunk=chunk)
     n_chunks = sums.grid[0]
-    total = Launch(quant._channel_mean_kernel, (h, b, 1), ("sums", _i32(length), _i32(h), _i32(n_chunks)),
+    total = Launch(quant._channel_mean_kernel, (h, b, 1), ("sums", "sums_count", _i32(h), _i32(n_chunks)),
                    (Buffer("mean", (b, h, d), "float32"),), _meta(D=d))
     return Plan((sums, total), "mean")
 
@@ -171,11 +174,15 @@ def _quantize_outputs(prefix: str, shape: tuple[int, ...], high: str, low: str, 
 
 
 def _quantize(x: Buffer, prefix: str, target: Target, *, high: str, low: str, fold: float = 1.0,
-              mean: tuple[str, int, int] | None = None, codes: bool = True, fp8: bool = False,
+              mean: tuple[str, str | None, int] | None = None, codes: bool = True, fp8: bool = False,
               write_lo: bool = True, per_tile: bool = False, tile_t: int | None = None,
+              high_rule: str | None = None, low_rule: str | None = None, rotate: bool = False,
               block_t: int = tuning.QUANTIZE_BLOCK_T, num_warps: int = tuning.QUANTIZE_WARPS) -> Launch:
-    """The dual quantization of ``(x - mean) * fold`` into ``high`` and ``low``.
-    ``mean``: (buffer of partial sums ``[n, B, H, D]``, n, token count) for smooth-K."""
+    """The dual quantization of ``(x - mean)``, rotated with ``rotate``, times ``fold``
+    into ``high`` and ``low`` with the block-scale rules ``high_rule`` and ``low_rule``
+    (``None``: the formats' defaults). ``mean``: (buffer of partial sums
+    ``[n, B, H, D]``, buffer of their token counts ``[n, B, H]`` or None for one token
+    each, n) for smooth-K."""
     if per_tile and not fp8:
         raise ValueError("per_tile scales belong to the FP8 copies: it needs fp8=True")
     b, length, h, d = x.shape
@@ -184,16 +191,24 @@ def _quantize(x: Buffer, prefix: str, target: Target, *, high: str, low: str, fo
         raise ValueError(f"per_tile programs take a multiple of block_t={block_t} tokens that divides {TILE}, "
                          f"got tile_t={tile_t}")
     hi, lo = FORMATS[high], FORMATS[low]
-    shift = (x.name, _i32(1), _i32(1)) if mean is None else (mean[0], _i32(mean[1]), _i32(mean[2]))
+    high_rule, low_rule = check_rule(hi, high_rule), check_rule(lo, low_rule)
+    if rotate and x.shape[3] & (x.shape[3] - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim; got {x.shape[3]}")
+    if mean is None:
+        shift: tuple[str | Scalar, ...] = (x.name, x.name, _i32(1), _i32(1))
+    else:
+        shift = (mean[0], mean[1] or mean[0], _i32(mean[2]), _i32(1))
     step = tile_t if per_tile else block_t
     return Launch(
         quant._dual_quantize_kernel, (-(-length // step), h, b),
         (x.name, *shift, _f32(fold), _i32(length), _i32(h)),
         _quantize_outputs(prefix, x.shape, high, low, codes=codes, fp8=fp8, write_lo=write_lo, per_tile=per_tile),
-        _meta(D=d, BLOCK_T=block_t, SMOOTH=mean is not None, WRITE_CODES=codes, WRITE_FP8=fp8, WRITE_LO=write_lo,
-              HI_E=hi.exp_bits, HI_M=hi.man_bits, HI_EMIN=hi.emin, HI_EMAX=hi.emax, HI_MAX=hi.max_value,
-              HI_BLOCK=hi.block, LO_E=lo.exp_bits, LO_M=lo.man_bits, LO_EMIN=lo.emin, LO_EMAX=lo.emax,
-              LO_MAX=lo.max_value, LO_BLOCK=lo.block, LO_NVFP4=low == "nvfp4", TILE_T=step, PER_TILE=per_tile,
+        _meta(D=d, BLOCK_T=block_t, SMOOTH=mean is not None, COUNTED=mean is not None and mean[1] is not None,
+              ROTATE=rotate, WRITE_CODES=codes, WRITE_FP8=fp8,
+              WRITE_LO=write_lo, HI_E=hi.exp_bits, HI_M=hi.man_bits, HI_EMIN=hi.emin, HI_EMAX=hi.emax,
+              HI_MAX=hi.max_value, HI_BLOCK=hi.block, HI_RULE=high_rule, LO_E=lo.exp_bits, LO_M=lo.man_bits,
+              LO_EMIN=lo.emin, LO_EMAX=lo.emax, LO_MAX=lo.max_value, LO_BLOCK=lo.block, LO_NVFP4=low == "nvfp4",
+              LO_RULE=low_rule, TILE_T=step, PER_TILE=per_tile,
               HW_CVT=not target.interpret, FTZ_FOLD=ftz_multiplier(fold)),
         num_warps=num_warps)
 
@@ -203,18 +218,18 @@ def quantize_plan(x: Buffer, target: Target, *, smooth: bool | str = False, chun
     """A quantize-only call on ``x [B, L, H, D]``: its dual quantization (outputs
     ``x.{field}``), after smooth-K's partial sums when ``smooth`` is True. ``smooth``
     may instead name a float32 mean ``[B, H, D]`` among the call's inputs, taken as
-    one partial of one token. ``options`` as for the quantize launch (``high``,
+    one partial of one token. Smooth-K's mean is over the tokens with finite elements. ``options`` as for the quantize launch (``high``,
     ``low``, ``fold``, ``codes``, ``fp8``, ``write_lo``, ``per_tile``, ``tile_t``,
-    ``block_t``, ``num_warps``)."""
+    ``high_rule``, ``low_rule``, ``rotate``, ``block_t``, ``num_warps``)."""
     options.setdefault("high", "mxfp8_e4m3")
     options.setdefault("low", "nvfp4")
     launches: tuple[Launch, ...] = ()
-    mean = None
+    mean: tuple[str, str | None, int] | None = None
     if smooth is True:
         sums = _channel_reduce(x, "x_sums", amax=False, chunk=chunk)
-        launches, mean = (sums,), ("x_sums", sums.grid[0], x.shape[1])
+        launches, mean = (sums,), ("x_sums", "x_sums_count", sums.grid[0])
     elif isinstance(smooth, str):
-        mean = (smooth, 1, 1)
+        mean = (smooth, None, 1)
     return Plan(launches + (_quantize(x, "x", target, mean=mean, **options),), "x.hi_codes")
 
 
@@ -262,7 +277,8 @@ def _sm90_attention(q: Buffer, v: Buffer, *, causal: bool, q_offset: int, diag: 
 
 def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: bool, q_offset: int,
                    diag_tiles: int, sink_tiles: int, high: str, low: str, smooth_k: bool, sm_scale: float,
-                   pv: str = "input", native: bool | None = None, kernel: str | None = None,
+                   pv: str = "input", high_rule: str | None = None, low_rule: str | None = None,
+                   rotate: bool = False, native: bool | None = None, kernel: str | None = None,
                    launch: tuning.LaunchConfig | None = None,
                    gluon: tuning.Sm90GluonConfig = tuning.SM90_GLUON) -> Plan:
     """One DMA call on ``q [B, Lq, HQ, D]``, ``k, v [B, Lk, HKV, D]`` (validated):
@@ -270,7 +286,9 @@ def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: b
     the partials up into the mean), V's transposed FP8 copy for ``pv="fp8"``, and the
     attention launch. Only the copies some tile reads are written: codes and scales
     for native tiles (``tl.dot_scaled``, sm_100), E4M3 copies for the others (K's with
-    one scale per key tile), no low copies when every pair is high.
+    one scale per key tile), no low copies when every pair is high. ``high_rule``,
+    ``low_rule``: the block-scale rules; ``rotate``: the Hadamard rotation of Q and K
+    (its factor 1/D goes into Q's fold).
 
     ``native`` forces ``tl.dot_scaled`` on or off (default by GPU); ``kernel``
     ("triton" or "gluon") the attention kernel (default ``target.uses_sm90_kernel``);
@@ -282,14 +300,17 @@ def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: b
     tiles = resolve_native(target.capability, low, native)
     has_lo = not all_high(q_len, kv_len, q_offset, diag_tiles)
     fp8 = not all(tiles)
-    copies: dict[str, Any] = dict(high=high, low=low, codes=any(tiles), fp8=fp8, write_lo=has_lo)
+    copies: dict[str, Any] = dict(high=high, low=low, codes=any(tiles), fp8=fp8, write_lo=has_lo,
+                                  high_rule=high_rule, low_rule=low_rule, rotate=rotate)
     launches: list[Launch] = []
     mean = None
     if smooth_k:
         sums = _channel_reduce(k, "k_sums", amax=False)
         launches.append(sums)
-        mean = ("k_sums", sums.grid[0], kv_len)
-    launches.append(_quantize(q, "q", target, fold=softmax_fold(sm_scale), **copies))
+        mean = ("k_sums", "k_sums_count", sums.grid[0])
+    # (q·H)(k·H)ᵀ = D · q·kᵀ: the rotation's exact factor 1/D joins the fold.
+    fold = softmax_fold(sm_scale) / (d if rotate else 1)
+    launches.append(_quantize(q, "q", target, fold=fold, **copies))
     # K's FP8 copies carry one scale per key tile (formats.fp8_per_tile).
     launches.append(_quantize(k, "k", target, mean=mean, per_tile=fp8, **copies))
     pv_fp8 = pv == "fp8"

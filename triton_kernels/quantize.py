@@ -17,9 +17,9 @@ divisions by a reciprocal with Markstein's correction (``div_by``), equal to
 ``div_rn`` wherever the quotient is a normal float; the fold and the subnormal
 flush after it are one FTZ instruction on a GPU (``mul_flushed``).
 
-Smooth-K needs the mean over all valid tokens before any tile can be quantized,
-so a reduction launch first writes per-chunk partial sums
-(``_channel_reduce_kernel``), and each K program adds them up itself
+Smooth-K needs the mean over all valid tokens with finite elements before any tile
+can be quantized, so a reduction launch first writes per-chunk partial sums and
+token counts (``_channel_reduce_kernel``), and each K program adds them up itself
 (``_channel_total``, in a fixed order); K is read twice.
 
 Launched through ``plan``; this module holds kernel code only.
@@ -34,8 +34,9 @@ import triton.language as tl
 from .format_table import NVFP4_TOKEN_DIVISOR
 from .geometry import TILE
 from .mx import (E4M3_EMIN, E4M3_EXP_BITS, E4M3_MAN_BITS, abs_max, div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small,
-                 element_code, exponent, flush_subnormals, mul_flushed, nan_max, pow2, round_e2m1, round_e4m3,
-                 round_to_e4m3_emulated, round_to_element)
+                 e4m3_scale, element_code, exponent, flush_subnormals, mul_flushed, mx_exponent, nan_max, pairwise_sum,
+                 pow2, round_e2m1, round_e4m3, round_to_e4m3_emulated, round_to_element)
+from .rotation import hadamard_rows
 
 # _nvfp4_s2: the divisor, fl(1/divisor), and the smallest token amax whose s2 is a
 # normal float.
@@ -63,17 +64,19 @@ def _nvfp4_s2(amax):
 
 
 @triton.jit
-def _token_reference(amax, EMAX: tl.constexpr, NVFP4: tl.constexpr):
+def _token_reference(amax, EMAX: tl.constexpr, MAN_BITS: tl.constexpr, MAX_VALUE: tl.constexpr,
+                     RULE: tl.constexpr, NVFP4: tl.constexpr):
     """Per token, from its amax (``abs_max`` over head_dim): the scale that
     ``_fp8_copy`` would give the token alone (MX: ``2^T``; NVFP4: the raw ``s2``, 0
     for an all-zero token), or the smallest candidate (MX ``2^-126``, NVFP4 0) for a
-    token with NaN or Inf. The amax is all it needs: the largest block exponent is
-    the exponent of the token's largest element."""
+    token with NaN or Inf. The amax is all it needs: every scale rule is monotone in
+    a block's amax, so the largest block exponent is that of the token's largest
+    element."""
     finite = amax < float("inf")  # False for Inf and NaN
     if NVFP4:
         ref = _nvfp4_s2(tl.where(finite, amax, 0.0))
     else:
-        top = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
+        top = mx_exponent(tl.where(finite, amax, 0.0), EMAX, MAN_BITS, MAX_VALUE, RULE)
         ref = pow2(tl.maximum(top + EMAX - 8, -126))
     return ref
 
@@ -159,11 +162,12 @@ def _quantize_tile(
     x, rows, cols, mask, tile_ref,
     codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr,
     EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
-    MAX_VALUE: tl.constexpr, BLOCK: tl.constexpr, NVFP4: tl.constexpr,
+    MAX_VALUE: tl.constexpr, BLOCK: tl.constexpr, NVFP4: tl.constexpr, RULE: tl.constexpr,
     BLOCK_T: tl.constexpr, D: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_FP8: tl.constexpr,
     PER_TILE: tl.constexpr, HW_CVT: tl.constexpr,
 ):
-    """Quantize a [BLOCK_T, D] float32 tile into one format and store it.
+    """Quantize a [BLOCK_T, D] float32 tile into one format, its block scales chosen
+    by RULE (``format_table.SCALE_RULES``), and store it.
 
     rows: token indices into the flattened [tokens] outputs; cols: arange(D).
     WRITE_CODES stores the codes and scale bytes (what ``tl.dot_scaled`` reads on
@@ -190,7 +194,7 @@ def _quantize_tile(
         s2 = tl.where(s2 == 0, 1.0, s2)
         sb_f = tl.math.div_rn(amax, MAX_VALUE * s2[:, None])
         finite = (sb_f == sb_f) & (tl.abs(sb_f) < float("inf"))
-        sb = round_to_e4m3_emulated(tl.where(finite, sb_f, 0.0))
+        sb = e4m3_scale(tl.where(finite, sb_f, 0.0), RULE)
         usable = finite & (sb > 0)
         sb_b = tl.where(usable, sb, 1.0)[:, :, None]
         # x / s2 / sb, each division correctly rounded (the reference's two steps)
@@ -214,13 +218,29 @@ def _quantize_tile(
             # cost an instruction per element.
             keep = tl.where(finite, 0x80000000, 0).to(tl.uint32)
             sign = (xb.to(tl.uint32, bitcast=True) & keep[:, :, None]).to(tl.float32, bitcast=True)
+        r = round_e2m1(v, sign)
+        if RULE == "4/6":
+            # The block maximum mapped to 4 instead of 6 where that reconstructs the
+            # block better (sum of the exact errors |xs - r·sb| over a fixed pair tree).
+            sb4 = round_to_e4m3_emulated(tl.where(finite, tl.math.div_rn(amax, 4.0 * s2[:, None]), 0.0))
+            usable4 = finite & (sb4 > 0)
+            sb4_b = tl.where(usable4, sb4, 1.0)[:, :, None]
+            v4 = div_by(xs, sb4_b, tl.math.div_rn(tl.full(sb4_b.shape, 1.0, tl.float32), sb4_b))
+            if WRITE_CODES:
+                v4 = tl.where(usable4[:, :, None], v4, 0.0)
+            r4 = round_e2m1(v4, sign)
+            err6 = pairwise_sum(tl.abs(xs - r * sb[:, :, None]), BLOCK)
+            err4 = pairwise_sum(tl.abs(xs - r4 * sb4[:, :, None]), BLOCK)
+            four = err4 < err6
+            sb = tl.where(four, sb4, sb)
+            r = tl.where(four[:, :, None], r4, r)
         scale_code = tl.where(finite, element_code(sb, E4M3_EXP_BITS.value, E4M3_MAN_BITS.value, E4M3_EMIN.value), 0x7F)
         block_exp = scale_code  # unused for NVFP4
         if WRITE_CODES:
             tl.store(token_ptr + rows, s2, mask=mask)
     else:
         finite = (amax == amax) & (amax < float("inf"))
-        block_exp = tl.minimum(tl.maximum(exponent(tl.where(finite, amax, 0.0)) - EMAX, -127), 127)
+        block_exp = mx_exponent(tl.where(finite, amax, 0.0), EMAX, MAN_BITS, MAX_VALUE, RULE)
         # Multiply by 2^-e: -e lies in [-125, 127], so the factor is a normal float.
         v = xb * pow2(-block_exp)[:, :, None]
         if not RAW_V:
@@ -228,13 +248,12 @@ def _quantize_tile(
         scale_code = tl.where(finite, block_exp + 127, 255)
         sb = amax  # unused for MX
         s2 = amax
-        sign = v
-    if E4M3:
-        r = round_e4m3(v, HW_CVT)
-    elif MAN_BITS == 1 and EMIN == 0:  # E2M1 elements (NVFP4, MXFP4)
-        r = round_e2m1(v, sign)
-    else:
-        r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
+        if E4M3:
+            r = round_e4m3(v, HW_CVT)
+        elif MAN_BITS == 1 and EMIN == 0:  # E2M1 elements (MXFP4)
+            r = round_e2m1(v, v)
+        else:
+            r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
     if WRITE_FP8:
         f8, token, token_ok = _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE, HW_CVT,
                                         E4M3, ZERO_SIGNS, ZERO_BYTES)
@@ -268,31 +287,39 @@ def _tokens(x_ptr, L, H, t, b, h, D: tl.constexpr, end):
 
 
 @triton.jit
-def _channel_total(part_ptr, n_parts, count, B, H, b, h, D: tl.constexpr):
-    """(sum of the partials of (b, h), in chunk order) / count, float32 [D]; partials
-    ``[n_parts, B, H, D]`` (``_channel_reduce_kernel``'s). One sequential order for
-    every kernel that forms K's mean, so the mean has the same bits wherever it is
+def _channel_total(part_ptr, count_ptr, n_parts, count, B, H, b, h, D: tl.constexpr, COUNTED: tl.constexpr):
+    """(sum of the partials of (b, h), in chunk order) / the token count, float32 [D];
+    partials ``[n_parts, B, H, D]`` and, with COUNTED, their token counts
+    ``[n_parts, B, H]`` (``_channel_reduce_kernel``'s; else the scalar ``count``). A
+    count of zero (no finite token) divides by one: a zero mean. One sequential order
+    for every kernel that forms K's mean, so the mean has the same bits wherever it is
     formed. ``_SUM_STEP`` partials are requested at once: one load per step made
     the total a chain of L2 round trips (~6 µs for 32 partials on an H100)."""
     cols = tl.arange(0, D)
     acc = tl.zeros((D,), tl.float32)
+    n = tl.zeros((), tl.float32)
     for c0 in range(0, n_parts, _SUM_STEP):
         for i in tl.static_range(_SUM_STEP):
             c = c0 + i
             # The padding adds +0.0, which changes no bit: acc starts at +0.0 and a
             # round-to-nearest sum is -0.0 only when both addends are.
             acc += tl.load(part_ptr + ((c * B + b) * H + h) * D + cols, mask=c * D + cols < n_parts * D, other=0.0)
-    return tl.math.div_rn(acc, tl.full((D,), 1.0, tl.float32) * count)
+            if COUNTED:
+                n += tl.load(count_ptr + (c * B + b) * H + h, mask=c < n_parts, other=0.0)
+    if not COUNTED:
+        n = tl.zeros((), tl.float32) + count
+    return tl.math.div_rn(acc, tl.full((D,), 1.0, tl.float32) * tl.maximum(n, 1.0))
 
 
 @triton.jit
-def _channel_row(part_ptr, n_parts, count, H, b, h, D: tl.constexpr, SMOOTH: tl.constexpr):
-    """K's channel mean of (b, h) as a [1, D] row (smooth-K), else 0; ``part_ptr``,
-    ``n_parts``, ``count`` as for ``_channel_total`` (grid (tokens, H, B)). Formed once
-    per program: loaded in the token loop it was moved into the tiles' layout through
-    shared memory (two barriers) at every step."""
+def _channel_row(part_ptr, count_ptr, n_parts, count, H, b, h, D: tl.constexpr, SMOOTH: tl.constexpr,
+                 COUNTED: tl.constexpr):
+    """K's channel mean of (b, h) as a [1, D] row (smooth-K), else 0; arguments as for
+    ``_channel_total`` (grid (tokens, H, B)). Formed once per program: loaded in the
+    token loop it was moved into the tiles' layout through shared memory (two
+    barriers) at every step."""
     if SMOOTH:
-        return _channel_total(part_ptr, n_parts, count, tl.num_programs(2), H, b, h, D)[None, :]
+        return _channel_total(part_ptr, count_ptr, n_parts, count, tl.num_programs(2), H, b, h, D, COUNTED)[None, :]
     else:
         return 0.0
 
@@ -312,22 +339,35 @@ def _shifted(x_ptr, mean, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr, 
 
 
 @triton.jit
-def _prepared(x_ptr, mean, fold, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr, HW: tl.constexpr,
-              FTZ_FOLD: tl.constexpr, PAST_L: tl.constexpr):
-    """``_shifted`` times ``fold`` (Q's softmax scale), subnormals flushed: what is quantized."""
-    return mul_flushed(_shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH, PAST_L), fold, HW, FTZ_FOLD)
+def _rotated(x_ptr, mean, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr,
+             PAST_L: tl.constexpr):
+    """``_shifted``, times the Walsh–Hadamard matrix with ROTATE (after smoothing, in
+    registers: the rotation costs no pass over memory). Rows of zeros stay zeros."""
+    x = _shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH, PAST_L)
+    if ROTATE:
+        x = hadamard_rows(x, t.shape[0], D)
+    return x
+
+
+@triton.jit
+def _prepared(x_ptr, mean, fold, L, H, t, b, h, D: tl.constexpr, SMOOTH: tl.constexpr, ROTATE: tl.constexpr,
+              HW: tl.constexpr, FTZ_FOLD: tl.constexpr, PAST_L: tl.constexpr):
+    """``_rotated`` times ``fold`` (Q's softmax scale), subnormals flushed: what is quantized."""
+    return mul_flushed(_rotated(x_ptr, mean, L, H, t, b, h, D, SMOOTH, ROTATE, PAST_L), fold, HW, FTZ_FOLD)
 
 
 @triton.jit
 def _tile_references(x_ptr, mean, fold, L, H, tile, b, h, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                     SMOOTH: tl.constexpr, HI_EMAX: tl.constexpr, LO_EMAX: tl.constexpr, LO_NVFP4: tl.constexpr,
-                     HW_CVT: tl.constexpr, FTZ_FOLD: tl.constexpr):
+                     SMOOTH: tl.constexpr, ROTATE: tl.constexpr,
+                     HI_EMAX: tl.constexpr, HI_M: tl.constexpr, HI_MAX: tl.constexpr, HI_RULE: tl.constexpr,
+                     LO_EMAX: tl.constexpr, LO_M: tl.constexpr, LO_MAX: tl.constexpr, LO_RULE: tl.constexpr,
+                     LO_NVFP4: tl.constexpr, HW_CVT: tl.constexpr, FTZ_FOLD: tl.constexpr):
     """K's FP8 scale references for one ``TILE``-token tile: the largest
     ``_token_reference`` of its tokens per copy (MX at least 2^-126; NVFP4 0 while no
     token is non-zero).
 
     The references are monotone in a token's amax, and so is what ``_prepared`` does
-    to the largest |element| of ``_shifted`` (subtracting the mean, multiplying by
+    to the largest |element| of ``_rotated`` (multiplying by
     ``fold``: ``|fl(y·f)| = fl(|y|·|f|)``, flushing subnormals). So one max per element
     over the tile, with no per-token work, gives both references at once. That is
     exact while every element is finite; the maxima propagate Inf and NaN, and only
@@ -336,36 +376,40 @@ def _tile_references(x_ptr, mean, fold, L, H, tile, b, h, D: tl.constexpr, BLOCK
     widest = tl.zeros((BLOCK_T, D), tl.float32)
     for c in range(0, _SCALE_TILE, BLOCK_T):
         t = tile * _SCALE_TILE + c + tl.arange(0, BLOCK_T)
-        widest = tl.maximum(widest, tl.abs(_shifted(x_ptr, mean, L, H, t, b, h, D, SMOOTH, True)),
+        widest = tl.maximum(widest, tl.abs(_rotated(x_ptr, mean, L, H, t, b, h, D, SMOOTH, ROTATE, True)),
                             propagate_nan=tl.PropagateNan.ALL)
     amax = flush_subnormals(nan_max(nan_max(widest, 1), 0) * tl.abs(fold))
-    hi_ref = _token_reference(amax, HI_EMAX, False)
-    lo_ref = _token_reference(amax, LO_EMAX, LO_NVFP4)
+    hi_ref = _token_reference(amax, HI_EMAX, HI_M, HI_MAX, HI_RULE, False)
+    lo_ref = _token_reference(amax, LO_EMAX, LO_M, LO_MAX, LO_RULE, LO_NVFP4)
     if not amax < float("inf"):
         hi_ref = tl.full((), 0.0, tl.float32)
         lo_ref = tl.full((), 0.0, tl.float32)
         for c in range(0, _SCALE_TILE, BLOCK_T):
             t = tile * _SCALE_TILE + c + tl.arange(0, BLOCK_T)
-            token_amax = abs_max(_prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, HW_CVT, FTZ_FOLD, True), 1)
-            hi_ref = tl.maximum(hi_ref, tl.max(_token_reference(token_amax, HI_EMAX, False)))
-            lo_ref = tl.maximum(lo_ref, tl.max(_token_reference(token_amax, LO_EMAX, LO_NVFP4)))
+            token_amax = abs_max(_prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, ROTATE, HW_CVT, FTZ_FOLD,
+                                           True), 1)
+            hi_ref = tl.maximum(hi_ref, tl.max(_token_reference(token_amax, HI_EMAX, HI_M, HI_MAX, HI_RULE, False)))
+            lo_ref = tl.maximum(lo_ref, tl.max(_token_reference(token_amax, LO_EMAX, LO_M, LO_MAX, LO_RULE,
+                                                                LO_NVFP4)))
     return hi_ref, lo_ref
 
 
 @triton.jit
 def _dual_quantize_kernel(
-    x_ptr, mean_parts, n_parts, mean_count, fold, L, H,
+    x_ptr, mean_parts, mean_counts, n_parts, mean_count, fold, L, H,
     hi_codes, hi_scales, lo_codes, lo_scales, lo_token, hi_f8, hi_ts, lo_f8, lo_ts,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH: tl.constexpr, COUNTED: tl.constexpr, ROTATE: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_FP8: tl.constexpr, WRITE_LO: tl.constexpr,
     HI_E: tl.constexpr, HI_M: tl.constexpr, HI_EMIN: tl.constexpr, HI_EMAX: tl.constexpr,
-    HI_MAX: tl.constexpr, HI_BLOCK: tl.constexpr,
+    HI_MAX: tl.constexpr, HI_BLOCK: tl.constexpr, HI_RULE: tl.constexpr,
     LO_E: tl.constexpr, LO_M: tl.constexpr, LO_EMIN: tl.constexpr, LO_EMAX: tl.constexpr,
-    LO_MAX: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NVFP4: tl.constexpr,
+    LO_MAX: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NVFP4: tl.constexpr, LO_RULE: tl.constexpr,
     TILE_T: tl.constexpr, PER_TILE: tl.constexpr, HW_CVT: tl.constexpr, FTZ_FOLD: tl.constexpr,
 ):
     """One program per (TILE_T tokens, head, batch) of x [B, L, H, D] (contiguous),
-    quantized BLOCK_T tokens at a time.
+    quantized BLOCK_T tokens at a time: ``(x - mean)``, rotated with ROTATE, times
+    ``fold``, into the high and the low format with the block-scale rules HI_RULE and
+    LO_RULE.
 
     PER_TILE (K on sm_90): the FP8 copies get one scale per ``TILE`` tokens (the
     attention tile), written to ``*_ts`` as [B, cdiv(L, TILE), H] by the tile's first
@@ -375,13 +419,14 @@ def _dual_quantize_kernel(
     copy (every pair is high precision)."""
     pid_t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = tl.arange(0, D)
-    mean = _channel_row(mean_parts, n_parts, mean_count, H, b, h, D, SMOOTH)
+    mean = _channel_row(mean_parts, mean_counts, n_parts, mean_count, H, b, h, D, SMOOTH, COUNTED)
     hi_ref = 1.0
     lo_ref = 1.0
     if PER_TILE:
         tile = pid_t * TILE_T // _SCALE_TILE
-        hi_ref, lo_ref = _tile_references(x_ptr, mean, fold, L, H, tile, b, h, D, BLOCK_T, SMOOTH,
-                                          HI_EMAX, LO_EMAX, LO_NVFP4, HW_CVT, FTZ_FOLD)
+        hi_ref, lo_ref = _tile_references(x_ptr, mean, fold, L, H, tile, b, h, D, BLOCK_T, SMOOTH, ROTATE,
+                                          HI_EMAX, HI_M, HI_MAX, HI_RULE, LO_EMAX, LO_M, LO_MAX, LO_RULE, LO_NVFP4,
+                                          HW_CVT, FTZ_FOLD)
         ts = (b * tl.cdiv(L, _SCALE_TILE) + tile) * H + h
         first = (pid_t * TILE_T) % _SCALE_TILE == 0
         tl.store(hi_ts + ts, hi_ref, mask=first)
@@ -397,34 +442,38 @@ def _dual_quantize_kernel(
         mask = t < L
         # Flattened token index in [B, L, H] order: outputs are [B, L, H, ...].
         rows = (b * L + t) * H + h
-        x = _prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, HW_CVT, FTZ_FOLD, False)
+        x = _prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, ROTATE, HW_CVT, FTZ_FOLD, False)
         _quantize_tile(x, rows, cols, mask, hi_ref, hi_codes, hi_scales, lo_token, hi_f8, hi_ts,
-                       HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, BLOCK_T, D, WRITE_CODES, WRITE_FP8,
-                       PER_TILE, HW_CVT)
+                       HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, HI_RULE, BLOCK_T, D, WRITE_CODES,
+                       WRITE_FP8, PER_TILE, HW_CVT)
         if WRITE_LO:
             _quantize_tile(x, rows, cols, mask, lo_ref, lo_codes, lo_scales, lo_token, lo_f8, lo_ts,
-                           LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, BLOCK_T, D, WRITE_CODES,
-                           WRITE_FP8, PER_TILE, HW_CVT)
+                           LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, LO_RULE, BLOCK_T, D,
+                           WRITE_CODES, WRITE_FP8, PER_TILE, HW_CVT)
 
 
 @triton.jit
-def _channel_reduce_kernel(x_ptr, L, H, CHUNK, part_ptr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+def _channel_reduce_kernel(x_ptr, L, H, CHUNK, part_ptr, count_ptr, D: tl.constexpr, BLOCK_T: tl.constexpr,
                            AMAX: tl.constexpr):
-    """Partial sums (or abs-maxima, NaN-propagating) over one CHUNK of tokens of
+    """Partial sums over the tokens with finite elements and their counts (or
+    abs-maxima over every token, NaN-propagating) over one CHUNK of tokens of
     x [B, L, H, D], per (head, batch).
 
-    A grid over chunks keeps every SM busy; partials land in [chunks, B, H, D]
-    and are combined in a fixed order afterwards, so the result is deterministic.
-    Each step's BLOCK_T tokens are accumulated element by element and reduced over
-    tokens once, at the end: a reduction per step was a cross-warp exchange (shared
-    memory, barriers) between dependent loads. The next step's tokens are requested
-    before this step's are added, so two loads are in flight.
+    A grid over chunks keeps every SM busy; partials land in [chunks, B, H, D] (counts
+    in [chunks, B, H]) and are combined in a fixed order afterwards, so the result is
+    deterministic. Each step's BLOCK_T tokens are accumulated element by element and
+    reduced over tokens once, at the end: a reduction per step was a cross-warp
+    exchange (shared memory, barriers) between dependent loads. The next step's
+    tokens are requested before this step's are added, so two loads are in flight.
+    Skipping non-finite tokens keeps a NaN or Inf key from spreading through the
+    mean to every query row of its head.
     """
     c, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = tl.arange(0, D)
     begin = c * CHUNK
     end = tl.minimum(begin + CHUNK, L)
     acc = tl.zeros((BLOCK_T, D), tl.float32)
+    counts = tl.zeros((BLOCK_T,), tl.float32)
     steps = tl.arange(0, BLOCK_T)
     x = _tokens(x_ptr, L, H, begin + steps, b, h, D, end)
     for start in range(begin, end, BLOCK_T):
@@ -432,17 +481,22 @@ def _channel_reduce_kernel(x_ptr, L, H, CHUNK, part_ptr, D: tl.constexpr, BLOCK_
         if AMAX:
             acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
         else:
-            acc += x
+            ok = (abs_max(x, 1) < float("inf")) & (start + steps < end)  # False for NaN
+            acc += tl.where(ok[:, None], x, 0.0)
+            counts += ok.to(tl.float32)
         x = following
     part = nan_max(acc, 0) if AMAX else tl.sum(acc, axis=0)
-    tl.store(part_ptr + ((c * tl.num_programs(2) + b) * H + h) * D + cols, part)
+    row = (c * tl.num_programs(2) + b) * H + h
+    tl.store(part_ptr + row * D + cols, part)
+    if not AMAX:
+        tl.store(count_ptr + row, tl.sum(counts, axis=0))
 
 
 @triton.jit
-def _channel_mean_kernel(part_ptr, L, H, N_CHUNKS, mean_ptr, D: tl.constexpr):
-    """mean = ``_channel_total`` of the partials / L, per (head, batch)."""
+def _channel_mean_kernel(part_ptr, count_ptr, H, N_CHUNKS, mean_ptr, D: tl.constexpr):
+    """mean = ``_channel_total`` of the partials and counts, per (head, batch)."""
     h, b = tl.program_id(0), tl.program_id(1)
-    mean = _channel_total(part_ptr, N_CHUNKS, L, tl.num_programs(1), H, b, h, D)
+    mean = _channel_total(part_ptr, count_ptr, N_CHUNKS, 0, tl.num_programs(1), H, b, h, D, True)
     tl.store(mean_ptr + (b * H + h) * D + tl.arange(0, D), mean)
 
 
