@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--pv", choices=("input", "fp8", "both"), default="both", help="which P·V paths")
     parser.add_argument("--unquantized", action="store_true", help="Q·Kᵀ on the bf16 inputs (bf16 P·V only)")
+    parser.add_argument("--nvfp4-copy", choices=("bf16", "e4m3"), default="bf16",
+                        help="the copies NVFP4 tiles multiply (DMAConfig.nvfp4_copy)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -65,7 +67,7 @@ def main() -> None:
                 return plans.attention_plan(
                     buffer("q", q), buffer("k", k), buffer("v", v), target, causal=causal, q_offset=0,
                     diag_tiles=1, sink_tiles=1, high="mxfp8_e4m3", low="nvfp4", smooth_k=True, sm_scale=d**-0.5,
-                    pv="fp8" if pv_fp8 else "input", kernel="triton", launch=launch)
+                    pv="fp8" if pv_fp8 else "input", nvfp4_copy=args.nvfp4_copy, kernel="triton", launch=launch)
             prepared = torch_executor.run(plan_for(CANDIDATES[0]).launches[:-1], inputs)
             inputs = {**inputs, **prepared}
 
@@ -79,8 +81,10 @@ def main() -> None:
             except Exception as err:  # e.g. out of shared memory for this shape
                 print(f"  {launch}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
         best = min(timings, key=timings.get)
-        key = {"head_dim": d, "causal": causal, "pv_fp8": pv_fp8, "unquantized": args.unquantized}
-        print(f"D={d} causal={causal} pv_fp8={pv_fp8} unquantized={args.unquantized}: best {best} "
+        key = {"head_dim": d, "causal": causal, "pv_fp8": pv_fp8, "unquantized": args.unquantized,
+               "nvfp4_copy": args.nvfp4_copy}
+        print(f"D={d} causal={causal} pv_fp8={pv_fp8} unquantized={args.unquantized} nvfp4_copy={args.nvfp4_copy}: "
+              f"best {best} "
               f"{flops / timings[best] / 1e9:.0f} TFLOP/s; " +
               ", ".join(f"{c.block_m}/{c.block_n}/{c.num_warps}/{c.num_stages}: {flops / t / 1e9:.0f}"
                         for c, t in timings.items()), flush=True)
@@ -89,6 +93,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     dims = "" if args.head_dims == "128,64" else "_d" + args.head_dims.replace(",", "_")
     dims += "_unquantized" if args.unquantized else "" if args.pv == "both" else f"_pv_{args.pv}"
+    dims += "" if args.unquantized or args.nvfp4_copy == "bf16" else "_e4m3"
     path = os.path.join(args.out, f"tune_attention{dims}_{gpu_tag()}.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),

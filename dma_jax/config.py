@@ -12,6 +12,7 @@ from .rotation import ROTATIONS
 HIGH_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
 LOW_FORMATS = ("nvfp4", "mxfp4")
 PV_MODES = ("input", "fp8")
+NVFP4_COPIES = ("bf16", "e4m3")
 # Large enough that every pair of any realistic sequence is on the "diagonal",
 # small enough to stay an int32 in tile arithmetic.
 ALL_TILES = 2**30
@@ -52,6 +53,10 @@ class DMAConfig:
         ``default_rule``.
       rotate: ``"none"`` or ``"hadamard"`` (Q and K rotated along head_dim by the
         Walsh–Hadamard matrix before quantization, ``dma_jax.rotation``).
+      nvfp4_copy: what NVFP4 tiles multiply on GPUs without native NVFP4 MMAs (Hopper):
+        ``"bf16"`` (``e · sb`` exactly, on bf16 tensor cores: the reference's numbers)
+        or ``"e4m3"`` (rounded to E4M3 for the FP8 tensor cores, within 2^-4 per
+        element: faster, less accurate; README "Speed" has both).
     """
 
     diag_tiles: int = 1
@@ -64,6 +69,7 @@ class DMAConfig:
     high_rule: str | None = None
     low_rule: str | None = None
     rotate: str = "none"
+    nvfp4_copy: str = "bf16"
 
     def __post_init__(self) -> None:
         _check_count("diag_tiles", self.diag_tiles)
@@ -73,6 +79,7 @@ class DMAConfig:
         _check_choice("smooth_k", self.smooth_k, (True, False))
         _check_choice("pv", self.pv, PV_MODES)
         _check_choice("rotate", self.rotate, ROTATIONS)
+        _check_choice("nvfp4_copy", self.nvfp4_copy, NVFP4_COPIES)
         for name, fmt in (("high_rule", self.high), ("low_rule", self.low)):
             try:
                 check_rule(FORMATS[fmt], getattr(self, name))
@@ -115,7 +122,8 @@ class DMAConfig:
         same for the JAX and the torch front end."""
         return dict(diag_tiles=self.diag_tiles, sink_tiles=self.sink_tiles, high=self.high, low=self.low,
                     smooth_k=self.smooth_k, sm_scale=self.softmax_scale(head_dim), pv=self.pv,
-                    high_rule=self.scale_rules[0], low_rule=self.scale_rules[1], rotate=self.rotate == "hadamard")
+                    high_rule=self.scale_rules[0], low_rule=self.scale_rules[1], rotate=self.rotate == "hadamard",
+                    nvfp4_copy=self.nvfp4_copy)
 
     @property
     def scale_rules(self) -> tuple[str, str]:

@@ -142,7 +142,8 @@ OPERANDS = ("exact", "fp8")
 
 
 def _dequantized(x: jax.Array, fmt: str, rule: str, operands: str, key_tile: int | None = None) -> jax.Array:
-    """Q (``key_tile=None``) or K ``[B, L, H, D]`` as the kernel's Q·Kᵀ sees it."""
+    """Q (``key_tile=None``) or K ``[B, L, H, D]`` as the kernel's Q·Kᵀ sees it
+    (``operands``: "exact" or "fp8", see ``dma_reference``)."""
     if operands == "fp8" and key_tile:
         values, scale = fp8_per_tile(quantize(x, fmt, rule), fmt, key_tile, axis=1)
         return values * jnp.repeat(scale, key_tile, axis=1)[:, : x.shape[1], :, None]
@@ -173,9 +174,9 @@ def dma_reference(
 ) -> jax.Array:
     """DMA on validated inputs with a resolved ``q_offset`` (the primitive's body).
 
-    ``operands="fp8"`` computes Q·Kᵀ from the FP8 copies that the sm_90 kernel
-    reads (Q ``formats.fp8_per_token``, K ``formats.fp8_per_tile``) instead of the
-    exact MX values.
+    ``operands="fp8"`` computes Q·Kᵀ from the copies that the sm_90 kernel reads:
+    E4M3 (Q ``formats.fp8_per_token``, K ``formats.fp8_per_tile``) for MX tiles and,
+    with ``config.nvfp4_copy="e4m3"``, NVFP4 tiles; exact values otherwise.
     """
     if operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}; got {operands!r}")
@@ -190,6 +191,8 @@ def dma_reference(
         q32, k32, fold = hadamard(q32), hadamard(k32), fold / np.float32(dim)
     q32 = q32 * fold
     hi_rule, lo_rule = config.scale_rules
+    # sm_90 multiplies NVFP4 tiles from exact bf16 copies unless told to round them to E4M3.
+    lo_operands = "exact" if config.low == "nvfp4" and config.nvfp4_copy == "bf16" else operands
 
     uniform = _uniform_precision(config, q_len, kv_len, q_offset)
     tile = geometry.TILE
@@ -198,11 +201,12 @@ def dma_reference(
     if uniform is None:
         q_hi, k_hi = (_dequantized(q32, config.high, hi_rule, operands),
                       _dequantized(k32, config.high, hi_rule, operands, tile))
-        q_lo, k_lo = (_dequantized(q32, config.low, lo_rule, operands),
-                      _dequantized(k32, config.low, lo_rule, operands, tile))
+        q_lo, k_lo = (_dequantized(q32, config.low, lo_rule, lo_operands),
+                      _dequantized(k32, config.low, lo_rule, lo_operands, tile))
     else:
-        fmt, rule = (config.high, hi_rule) if uniform == "high" else (config.low, lo_rule)
-        q_hi, k_hi = _dequantized(q32, fmt, rule, operands), _dequantized(k32, fmt, rule, operands, tile)
+        fmt, rule, ops = ((config.high, hi_rule, operands) if uniform == "high"
+                          else (config.low, lo_rule, lo_operands))
+        q_hi, k_hi = _dequantized(q32, fmt, rule, ops), _dequantized(k32, fmt, rule, ops, tile)
         q_lo = k_lo = None
 
     def high_fn(q_pos, k_pos):
@@ -237,9 +241,9 @@ def reference_attention(
       config: :class:`DMAConfig` (default ``DMAConfig()``).
       q_offset: absolute position of query row 0; default ``kv_len - q_len``.
       operands: ``"exact"`` (the MX values themselves, as the numerics define them) or ``"fp8"``
-        (the E4M3 copies that Hopper's tensor cores read, Q with a scale per token
-        and K per 128-key tile; exact for MX formats except E4M3 subnormals, within
-        2^-4 per element for NVFP4).
+        (the copies that Hopper's tensor cores read: E4M3 with Q's scale per token and
+        K's per 128-key tile, exact for MX formats except E4M3 subnormals; NVFP4 tiles
+        exact in bf16, or with ``config.nvfp4_copy="e4m3"`` E4M3 within 2^-4 per element).
 
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in the input dtype.

@@ -57,9 +57,10 @@ def test_kernel_options_carry_every_field_the_kernels_need():
     """Both front ends pass these to the launch plan: a field left out would be ignored
     on the GPU while the reference honours it."""
     c = DMAConfig(diag_tiles=3, sink_tiles=0, high="mxfp8_e5m2", low="mxfp4", smooth_k=False, sm_scale=0.2, pv="fp8",
-                  high_rule="floor", low_rule="nearest", rotate="hadamard")
+                  high_rule="floor", low_rule="nearest", rotate="hadamard", nvfp4_copy="e4m3")
     assert c.kernel_options(64) == dict(diag_tiles=3, sink_tiles=0, high="mxfp8_e5m2", low="mxfp4", smooth_k=False,
-                                        sm_scale=0.2, pv="fp8", high_rule="floor", low_rule="nearest", rotate=True)
+                                        sm_scale=0.2, pv="fp8", high_rule="floor", low_rule="nearest", rotate=True,
+                                        nvfp4_copy="e4m3")
     assert {f.name for f in dataclasses.fields(DMAConfig)} == set(c.kernel_options(64))
     default = DMAConfig().kernel_options(64)
     assert default["sm_scale"] == 64**-0.5
@@ -72,6 +73,7 @@ def test_kernel_options_carry_every_field_the_kernels_need():
     ("high_rule", "4/6", r"DMAConfig.high_rule: mxfp8_e4m3 block scales accept the rules \('up', 'floor', 'nearest'\); got '4/6'"),
     ("low_rule", "ceil", r"DMAConfig.low_rule: nvfp4 block scales accept the rules .*'4/6'\); got 'ceil'"),
     ("rotate", True, r"DMAConfig.rotate must be one of \('none', 'hadamard'\); got True"),
+    ("nvfp4_copy", "fp8", r"DMAConfig.nvfp4_copy must be one of \('bf16', 'e4m3'\); got 'fp8'"),
 ])
 def test_bad_rules_and_rotation(field, value, message):
     with pytest.raises(ValueError, match=message):

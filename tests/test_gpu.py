@@ -176,7 +176,8 @@ def test_sm90_gluon_kernel_matches_reference_and_triton_kernel(b, lq, lk, hq, hk
     from triton_kernels import torch_executor
 
     q, k, v = inputs(lq + lk + 1, b, lq, lk, hq, hkv, 128)
-    cfg = DMAConfig(diag_tiles=diag, sink_tiles=sink)
+    # The Gluon kernel reads E4M3 copies only: NVFP4 tiles rounded to E4M3.
+    cfg = DMAConfig(diag_tiles=diag, sink_tiles=sink, nvfp4_copy="e4m3")
     compiled = gluon_call._compile.cache_info().misses + gluon_call._compile.cache_info().hits
     f = jax.jit(lambda q, k, v: dma_jax.attention(q, k, v, causal=causal, config=cfg, q_offset=q_offset))
     out = np.asarray(f(q, k, v), np.float32)
@@ -201,8 +202,10 @@ def test_sm90_gluon_kernel_propagates_nan():
     """A NaN in one query row makes that row NaN (its token scale is NaN) and no other."""
     q, k, v = inputs(5, 1, 256, 256, 2, 1, 128)
     q = q.at[0, 200, 1, 3].set(jnp.nan)
-    out = np.asarray(jax.jit(lambda q, k, v: dma_jax.attention(q, k, v, causal=True))(q, k, v), np.float32)
-    expected = np.isnan(cpu_reference(q, k, v, causal=True, config=DMAConfig()))
+    cfg = DMAConfig(nvfp4_copy="e4m3")
+    out = np.asarray(jax.jit(lambda q, k, v: dma_jax.attention(q, k, v, causal=True, config=cfg))(q, k, v),
+                     np.float32)
+    expected = np.isnan(cpu_reference(q, k, v, causal=True, config=cfg))
     assert expected[0, 200, 1].all() and expected.sum() == 128
     np.testing.assert_array_equal(np.isnan(out), expected)
 
@@ -233,3 +236,21 @@ def test_non_finite_key_poisons_only_the_rows_that_see_it(causal):
     bad = np.zeros(out.shape[:3], bool)
     bad[0, 250 if causal else 0:, 2:] = True  # kv head 1 serves query heads 2 and 3
     assert np.isnan(out[bad]).all() and np.isfinite(out[~bad]).all()
+
+
+@pytest.mark.parametrize("low", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_default_numerics_equal_the_exact_reference(low, causal):
+    """With the default nvfp4_copy="bf16" the GPU computes the reference's own numbers
+    (exact MX and NVFP4 operands), up to summation order: parity with
+    ``reference_attention(operands="exact")`` on odd shapes, head_dim 64 and 128."""
+    for d in (64, 128):
+        q, k, v = inputs(21 + d, 1, 517, 517, 6, 2, d)
+        cfg = DMAConfig(low=low)
+        out = np.asarray(jax.jit(lambda q, k, v: dma_jax.attention(q, k, v, causal=causal, config=cfg))(q, k, v),
+                         np.float32)
+        cpu = jax.devices("cpu")[0]
+        with jax.default_device(cpu):
+            args = [jax.device_put(np.asarray(x), cpu) for x in (q, k, v)]
+            ref = np.asarray(reference_attention(*args, causal=causal, config=cfg), np.float32)
+        assert oracle.rel_l2(out, ref) <= 5e-3

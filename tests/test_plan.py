@@ -19,7 +19,7 @@ from triton_kernels import torch_executor
 from triton_kernels.attention import _dma_attention_kernel
 from triton_kernels.attention_sm90 import _dma_attention_sm90_kernel
 from triton_kernels.format_table import FORMATS
-from triton_kernels.geometry import TILE
+from triton_kernels.geometry import TILE, all_high
 from triton_kernels.plan import Buffer, Launch, Plan, Scalar
 from triton_kernels.target import Target
 
@@ -30,6 +30,7 @@ CONFIGS = {
     "pv_fp8_e5m2": DMAConfig(high="mxfp8_e5m2", pv="fp8"),
     "all_low": DMAConfig.all_low(),
     "sm_scale_4": DMAConfig(sm_scale=4.0),
+    "e4m3_nvfp4_rotated_rules": DMAConfig(nvfp4_copy="e4m3", rotate="hadamard", high_rule="floor", low_rule="4/6"),
 }
 SHAPES = [(300, 300, (4, 2), 64), (1, 700, (6, 3), 128), (200, 456, (4, 4), 64)]
 TARGETS = {"sm90": Target((9, 0)), "sm100": Target((10, 0))}
@@ -82,8 +83,18 @@ def test_attention_plan_structure(target, name):
                                         **config.kernel_options(dim))
             _check_wiring(plan, {"q": q, "k": k, "v": v})
             attention = plan.launches[-1]
-            # The Gluon kernel exactly where documented: Hopper, head_dim 128, P·V in bf16.
-            gluon = target == "sm90" and dim == 128 and config.pv == "input"
+            # NVFP4 tiles (never native by default) read exact bf16 copies with per-token
+            # scales unless nvfp4_copy="e4m3".
+            has_lo = not all_high(q_len, kv_len, kv_len - q_len, config.diag_tiles)
+            lo_bf16 = has_lo and config.low == "nvfp4" and config.nvfp4_copy == "bf16"
+            for x, length in (("q", q_len), ("k", kv_len)):
+                if plan.buffer(f"{x}.lo_f8").written:
+                    assert plan.buffer(f"{x}.lo_f8").dtype == ("bfloat16" if lo_bf16 else "uint8")
+                    if lo_bf16:
+                        assert plan.buffer(f"{x}.lo_ts").shape == (1, length, hkv if x == "k" else hq)
+            # The Gluon kernel exactly where documented: Hopper, head_dim 128, P·V in bf16,
+            # Q·Kᵀ on E4M3 copies only.
+            gluon = target == "sm90" and dim == 128 and config.pv == "input" and not lo_bf16
             assert attention.kernel is (_dma_attention_sm90_kernel if gluon else _dma_attention_kernel)
             assert attention.gluon == gluon
             # Smooth-K's sums only with smooth_k; V's FP8 copy only with the FP8 P·V.
@@ -93,6 +104,8 @@ def test_attention_plan_structure(target, name):
             k_ts = plan.buffer("k.hi_ts")
             if k_ts.written:
                 assert k_ts.shape == (1, -(-kv_len // TILE), hkv)
+            if not gluon:
+                assert attention.meta["LO_FMT"] == ("bf16" if lo_bf16 else "e2m1")
             # On sm_100 the MX tiles are native: their codes are written, and the FP8
             # copies only for NVFP4's low tiles.
             native_low = target == "sm100" and config.low == "mxfp4"

@@ -133,17 +133,27 @@ def test_memory_is_bounded_at_8k_32_heads():
 
 @pytest.mark.parametrize("low,causal", [("nvfp4", True), ("mxfp4", False)])
 def test_fp8_operands_and_fp8_pv_match_float64_oracle(low, causal):
-    """The Hopper numerics (FP8 Q·Kᵀ operands, Q per token and K per tile; FP8 P·V) in the reference
-    against the same rules written independently in numpy."""
+    """The Hopper numerics (FP8 Q·Kᵀ operands, Q per token and K per tile, NVFP4 rounded to
+    E4M3 by the opt-in; FP8 P·V) in the reference against the same rules written
+    independently in numpy."""
     q, k, v = make_qkv(5, 1, 300, 300, 4, 2, 64)
     for pv in ("input", "fp8"):
-        cfg = DMAConfig(low=low, smooth_k=False, pv=pv)
+        cfg = DMAConfig(low=low, smooth_k=False, pv=pv, nvfp4_copy="e4m3", rotate="none")
         got = reference_attention(q, k, v, causal=causal, config=cfg, operands="fp8")
         want = oracle.dma_attention(q, k, v, causal=causal, low=low, smooth_k=False,
                                     operands="fp8", pv=pv)
         assert oracle.rel_l2(got, want) < 1e-4
     exact = oracle.dma_attention(q, k, v, causal=causal, low=low, smooth_k=False)
     assert oracle.rel_l2(got, exact) > 1e-3  # the FP8 P·V is a different computation
+
+
+def test_fp8_operands_are_exact_by_default():
+    """By default sm_90 reads NVFP4 tiles from exact bf16 copies and MX tiles from exact
+    E4M3 copies: its operands give the reference's own numbers."""
+    q, k, v = make_qkv(7, 1, 300, 300, 4, 2, 64)
+    for cfg in (DMAConfig(), DMAConfig(low="mxfp4")):
+        fp8 = reference_attention(q, k, v, config=cfg, operands="fp8")
+        assert oracle.rel_l2(fp8, reference_attention(q, k, v, config=cfg)) < 1e-4
 
 
 def test_unknown_operands_are_rejected():

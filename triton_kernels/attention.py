@@ -19,6 +19,10 @@ Q·Kᵀ per format:
   (``dma_jax.formats.fp8_per_token``), K's one per key tile (``fp8_per_tile``), so
   each score row is scaled by one number. Decoding 4-bit codes inside the loop
   instead ran 4.3x slower on an H200: the ALU work per K element rivals the MMA.
+  E4M3 holds MX values exactly but not NVFP4's ``e · sb`` (up to 6 significant
+  bits), so NVFP4 tiles read bf16 copies of ``e · sb`` instead (FMT "bf16", bf16
+  tensor cores), with ``s2`` per query row and per key column; the E4M3 rounding
+  of NVFP4 is an opt-in (``nvfp4_copy="e4m3"``).
 NVFP4's float32 per-token scales multiply the native score tile afterwards.
 Format "input" runs the same kernel with Q·Kᵀ on the unquantized inputs: the bf16
 baseline the benchmarks compare DMA with.
@@ -50,8 +54,9 @@ def _as_fp8(ptr):
 @triton.jit
 def _tile_ptr(ptr, FMT: tl.constexpr):
     """Where Q·Kᵀ operand tiles of format FMT are read: the FP8 copies through an
-    FP8 pointer, the unquantized inputs (FMT "input") as they are."""
-    if FMT == "input":
+    FP8 pointer, the unquantized inputs (FMT "input") and NVFP4's bf16 copies (FMT
+    "bf16") as they are."""
+    if FMT == "input" or FMT == "bf16":
         return ptr
     else:
         return _as_fp8(ptr)
@@ -132,13 +137,21 @@ def _attend_run(
                 ka = tl.load(k_ptrs, mask=t_ok[:, None], other=0.0)
             else:
                 ka = tl.load(k_ptrs)
-            if FMT == "input":
+            if FMT == "input" or FMT == "bf16":
                 # The unquantized baseline: qt is the softmax fold, applied to the
-                # fp32 scores rather than rounded into Q.
+                # fp32 scores rather than rounded into Q. NVFP4's bf16 copies: products
+                # of e·sb values are exact, the sums fp32; qt is Q's s2 per row, and
+                # K's s2 scales each key's column.
                 if DOT_F32:
                     s = tl.dot(qa.to(tl.float32), tl.trans(ka.to(tl.float32)), input_precision="ieee")
                 else:
                     s = tl.dot(qa, tl.trans(ka), out_dtype=tl.float32)
+                if FMT == "bf16":
+                    if MASK:
+                        kt = tl.load(k_ts + kv_base + t * HKV, mask=t_ok, other=1.0)
+                    else:
+                        kt = tl.load(k_ts + kv_base + t * HKV)
+                    s = s * kt[None, :]
                 row = tl.zeros_like(m_i) + qt
             else:
                 # FP8 x FP8 with both operands K-major (D contiguous); fp32 result.
@@ -262,12 +275,15 @@ def _dma_attention_kernel(
     Lq, Lk, HQ, HKV, q_offset, block0, diag, sink, qk_scale,
     o_ptr,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    HI_FMT: tl.constexpr, LO_NV: tl.constexpr, NATIVE_HI: tl.constexpr, NATIVE_LO: tl.constexpr,
-    HAS_LO: tl.constexpr, PV_FP8: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    HI_FMT: tl.constexpr, LO_FMT: tl.constexpr, LO_NV: tl.constexpr, NATIVE_HI: tl.constexpr,
+    NATIVE_LO: tl.constexpr, HAS_LO: tl.constexpr, PV_FP8: tl.constexpr, DOT_F32: tl.constexpr,
+    FIX_BF16: tl.constexpr,
 ):
     """q operands [B, Lq, HQ, ·], k operands and v [B, Lk, HKV, ·], o [B, Lq, HQ, D];
     vt [B, HKV, D, Lk rounded up to 16] and v_scale [B, HKV, D] for the FP8 P·V. HAS_LO=False when
-    every pair is high precision (the low copies were not written).
+    every pair is high precision (the low copies were not written). LO_FMT: "e2m1"
+    (native codes, or E4M3 copies) or "bf16" (NVFP4's exact bf16 copies, ``ql_ts`` and
+    ``kl_ts`` then per token).
 
     HI_FMT "input" (with HAS_LO=False) is the unquantized baseline: ``qh_f8`` and
     ``kh_f8`` are Q and K themselves and ``qk_scale`` the softmax fold
@@ -297,7 +313,7 @@ def _dma_attention_kernel(
         qh_t = qk_scale
     if HAS_LO:
         ql_a, ql_s, ql_t = _load_operand(ql_codes, ql_scales, ql_token, ql_f8, ql_ts, q_rows, row_ok, D,
-                                         "e2m1", LO_NV, NATIVE_LO)
+                                         LO_FMT, LO_NV, NATIVE_LO)
 
     kv_base = (b.to(tl.int64) * Lk) * HKV + kvh
     kts_base = (b * tl.cdiv(Lk, _TILE)) * HKV + kvh
@@ -315,14 +331,14 @@ def _dma_attention_kernel(
     if HAS_LO:
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, ql_a, ql_s, ql_t, p, kl_codes, kl_scales, kl_token, kl_f8,
                                      kl_ts, v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k1, k2, safe,
-                                     D, BLOCK_N, CAUSAL, "e2m1", LO_NV, NATIVE_LO, PV_FP8, DOT_F32, FIX_BF16)
+                                     D, BLOCK_N, CAUSAL, LO_FMT, LO_NV, NATIVE_LO, PV_FP8, DOT_F32, FIX_BF16)
     acc, m_i, l_i = _attend_keys(acc, m_i, l_i, qh_a, qh_s, qh_t, p, kh_codes, kh_scales, kl_token, kh_f8, kh_ts,
                                  v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k2, k3, safe, D, BLOCK_N, CAUSAL,
                                  HI_FMT, False, NATIVE_HI, PV_FP8, DOT_F32, FIX_BF16)
     if HAS_LO and not CAUSAL:
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, ql_a, ql_s, ql_t, p, kl_codes, kl_scales, kl_token, kl_f8,
                                      kl_ts, v_ptr, vt_ptr, kv_base, kts_base, vt_base, Lk, HKV, k3, kend, safe,
-                                     D, BLOCK_N, CAUSAL, "e2m1", LO_NV, NATIVE_LO, PV_FP8, DOT_F32, FIX_BF16)
+                                     D, BLOCK_N, CAUSAL, LO_FMT, LO_NV, NATIVE_LO, PV_FP8, DOT_F32, FIX_BF16)
     cols = tl.arange(0, D)
     if PV_FP8:
         acc = acc * tl.load(v_scale + (b * HKV + kvh) * D + cols)[None, :]

@@ -151,12 +151,15 @@ def fp8_transpose_plan(v: Buffer, target: Target, prefix: str = "") -> Plan:
 # -- dual quantization ----------------------------------------------------------------
 
 def _quantize_outputs(prefix: str, shape: tuple[int, ...], high: str, low: str, *, codes: bool, fp8: bool,
-                      write_lo: bool, per_tile: bool) -> tuple[Buffer, ...]:
+                      write_lo: bool, per_tile: bool, lo_bf16: bool) -> tuple[Buffer, ...]:
     """The nine outputs (``OPERAND_FIELDS``): codes, scales and NVFP4's per-token
     scale for ``tl.dot_scaled``; the E4M3 copies with their float32 scales, per token
-    ``[B, L, H]`` or with ``per_tile`` per ``TILE`` tokens ``[B, cdiv(L, TILE), H]``."""
+    ``[B, L, H]`` or with ``per_tile`` per ``TILE`` tokens ``[B, cdiv(L, TILE), H]``.
+    With ``lo_bf16`` the low copy (``lo_f8``, ``lo_ts``) is NVFP4's exact bf16 ``e · sb``
+    with ``s2`` per token."""
     b, length, h, d = shape
     ts = (b, -(-length // TILE) if per_tile else length, h)
+    lo_ts = (b, length, h) if lo_bf16 else ts
     lo_codes, lo_fp8 = codes and write_lo, fp8 and write_lo
     specs = (
         ((b, length, h, d), "uint8", codes),
@@ -166,8 +169,8 @@ def _quantize_outputs(prefix: str, shape: tuple[int, ...], high: str, low: str, 
         ((b, length, h), "float32", lo_codes and low == "nvfp4"),
         ((b, length, h, d), "uint8", fp8),
         (ts, "float32", fp8),
-        ((b, length, h, d), "uint8", lo_fp8),
-        (ts, "float32", lo_fp8),
+        ((b, length, h, d), "bfloat16" if lo_bf16 else "uint8", lo_fp8),
+        (lo_ts, "float32", lo_fp8),
     )
     return tuple(Buffer(f"{prefix}.{field}", s if w else (1,), t, w)
                  for field, (s, t, w) in zip(OPERAND_FIELDS, specs))
@@ -177,14 +180,19 @@ def _quantize(x: Buffer, prefix: str, target: Target, *, high: str, low: str, fo
               mean: tuple[str, str | None, int] | None = None, codes: bool = True, fp8: bool = False,
               write_lo: bool = True, per_tile: bool = False, tile_t: int | None = None,
               high_rule: str | None = None, low_rule: str | None = None, rotate: bool = False,
-              block_t: int = tuning.QUANTIZE_BLOCK_T, num_warps: int = tuning.QUANTIZE_WARPS) -> Launch:
+              lo_bf16: bool = False, block_t: int = tuning.QUANTIZE_BLOCK_T,
+              num_warps: int = tuning.QUANTIZE_WARPS) -> Launch:
     """The dual quantization of ``(x - mean)``, rotated with ``rotate``, times ``fold``
     into ``high`` and ``low`` with the block-scale rules ``high_rule`` and ``low_rule``
     (``None``: the formats' defaults). ``mean``: (buffer of partial sums
     ``[n, B, H, D]``, buffer of their token counts ``[n, B, H]`` or None for one token
-    each, n) for smooth-K."""
+    each, n) for smooth-K. ``lo_bf16`` (NVFP4 low, with ``fp8``): the low copy in bf16
+    with per-token scales, the exact operands of Hopper's NVFP4 tiles."""
     if per_tile and not fp8:
         raise ValueError("per_tile scales belong to the FP8 copies: it needs fp8=True")
+    if lo_bf16 and (low != "nvfp4" or not fp8):
+        raise ValueError(f"lo_bf16 is NVFP4's exact copy: it needs low='nvfp4' and fp8=True; got low={low!r}, "
+                         f"fp8={fp8}")
     b, length, h, d = x.shape
     tile_t = tuning.k_tile_tokens(x.shape) if tile_t is None else tile_t
     if per_tile and (TILE % tile_t or tile_t % block_t):
@@ -202,14 +210,15 @@ def _quantize(x: Buffer, prefix: str, target: Target, *, high: str, low: str, fo
     return Launch(
         quant._dual_quantize_kernel, (-(-length // step), h, b),
         (x.name, *shift, _f32(fold), _i32(length), _i32(h)),
-        _quantize_outputs(prefix, x.shape, high, low, codes=codes, fp8=fp8, write_lo=write_lo, per_tile=per_tile),
+        _quantize_outputs(prefix, x.shape, high, low, codes=codes, fp8=fp8, write_lo=write_lo, per_tile=per_tile,
+                          lo_bf16=lo_bf16),
         _meta(D=d, BLOCK_T=block_t, SMOOTH=mean is not None, COUNTED=mean is not None and mean[1] is not None,
               ROTATE=rotate, WRITE_CODES=codes, WRITE_FP8=fp8,
               WRITE_LO=write_lo, HI_E=hi.exp_bits, HI_M=hi.man_bits, HI_EMIN=hi.emin, HI_EMAX=hi.emax,
               HI_MAX=hi.max_value, HI_BLOCK=hi.block, HI_RULE=high_rule, LO_E=lo.exp_bits, LO_M=lo.man_bits,
               LO_EMIN=lo.emin, LO_EMAX=lo.emax, LO_MAX=lo.max_value, LO_BLOCK=lo.block, LO_NVFP4=low == "nvfp4",
               LO_RULE=low_rule, TILE_T=step, PER_TILE=per_tile,
-              HW_CVT=not target.interpret, FTZ_FOLD=ftz_multiplier(fold)),
+              HW_CVT=not target.interpret, FTZ_FOLD=ftz_multiplier(fold), LO_BF16=lo_bf16),
         num_warps=num_warps)
 
 
@@ -242,7 +251,8 @@ def _operands(prefix: str) -> tuple[str, ...]:
 def _triton_attention(q: Buffer, v: Buffer, q_args: tuple[str, ...], k_args: tuple[str, ...],
                       pv_args: tuple[str, str], *, causal: bool, q_offset: int, diag: int, sink: int,
                       qk_scale: float, launch: tuning.LaunchConfig, high: str, low: str,
-                      native: tuple[bool, bool], has_lo: bool, pv_fp8: bool, target: Target) -> Launch:
+                      native: tuple[bool, bool], has_lo: bool, pv_fp8: bool, target: Target,
+                      lo_bf16: bool = False) -> Launch:
     b, q_len, q_heads, d = q.shape
     kv_len, kv_heads = v.shape[1], v.shape[2]
     n_m, block0 = query_blocks(q_len, q_offset, launch.block_m)
@@ -253,7 +263,8 @@ def _triton_attention(q: Buffer, v: Buffer, q_args: tuple[str, ...], k_args: tup
         (Buffer("out", q.shape, q.dtype),),
         _meta(D=d, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, CAUSAL=causal,
               HI_FMT={"mxfp8_e5m2": "e5m2", "input": "input"}.get(high, "e4m3"), LO_NV=low == "nvfp4",
-              NATIVE_HI=native[0], NATIVE_LO=native[1], HAS_LO=has_lo, PV_FP8=pv_fp8,
+              LO_FMT="bf16" if lo_bf16 else "e2m1", NATIVE_HI=native[0], NATIVE_LO=native[1], HAS_LO=has_lo,
+              PV_FP8=pv_fp8,
               # fp32 operands at IEEE precision: for fp32 inputs, and in the
               # interpreter, whose tl.dot reads bf16 tiles as integers.
               DOT_F32=q.dtype == "float32" or target.interpret, FIX_BF16=target.interpret),
@@ -278,7 +289,8 @@ def _sm90_attention(q: Buffer, v: Buffer, *, causal: bool, q_offset: int, diag: 
 def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: bool, q_offset: int,
                    diag_tiles: int, sink_tiles: int, high: str, low: str, smooth_k: bool, sm_scale: float,
                    pv: str = "input", high_rule: str | None = None, low_rule: str | None = None,
-                   rotate: bool = False, native: bool | None = None, kernel: str | None = None,
+                   rotate: bool = False, nvfp4_copy: str = "bf16", native: bool | None = None,
+                   kernel: str | None = None,
                    launch: tuning.LaunchConfig | None = None,
                    gluon: tuning.Sm90GluonConfig = tuning.SM90_GLUON) -> Plan:
     """One DMA call on ``q [B, Lq, HQ, D]``, ``k, v [B, Lk, HKV, D]`` (validated):
@@ -288,7 +300,9 @@ def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: b
     for native tiles (``tl.dot_scaled``, sm_100), E4M3 copies for the others (K's with
     one scale per key tile), no low copies when every pair is high. ``high_rule``,
     ``low_rule``: the block-scale rules; ``rotate``: the Hadamard rotation of Q and K
-    (its factor 1/D goes into Q's fold).
+    (its factor 1/D goes into Q's fold). ``nvfp4_copy``: what NVFP4 tiles that are not
+    native multiply: "bf16" (``e · sb`` exactly, with per-token ``s2`` factors on both
+    sides of the scores; the Triton kernel) or "e4m3" (rounded into the E4M3 copies).
 
     ``native`` forces ``tl.dot_scaled`` on or off (default by GPU); ``kernel``
     ("triton" or "gluon") the attention kernel (default ``target.uses_sm90_kernel``);
@@ -300,8 +314,11 @@ def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: b
     tiles = resolve_native(target.capability, low, native)
     has_lo = not all_high(q_len, kv_len, q_offset, diag_tiles)
     fp8 = not all(tiles)
+    if nvfp4_copy not in ("bf16", "e4m3"):
+        raise ValueError(f"nvfp4_copy must be 'bf16' or 'e4m3'; got {nvfp4_copy!r}")
+    lo_bf16 = has_lo and low == "nvfp4" and not tiles[1] and nvfp4_copy == "bf16"
     copies: dict[str, Any] = dict(high=high, low=low, codes=any(tiles), fp8=fp8, write_lo=has_lo,
-                                  high_rule=high_rule, low_rule=low_rule, rotate=rotate)
+                                  high_rule=high_rule, low_rule=low_rule, rotate=rotate, lo_bf16=lo_bf16)
     launches: list[Launch] = []
     mean = None
     if smooth_k:
@@ -317,16 +334,18 @@ def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: b
     if pv_fp8:
         launches.extend(fp8_transpose_plan(v, target).launches)
     if kernel is None:
-        kernel = "gluon" if uses_sm90_kernel(target.capability, d, v.dtype, pv_fp8, tiles) else "triton"
+        kernel = "gluon" if uses_sm90_kernel(target.capability, d, v.dtype, pv_fp8, tiles, lo_bf16) else "triton"
+    if kernel == "gluon" and lo_bf16:
+        raise ValueError("the Gluon kernel reads E4M3 copies only: NVFP4 tiles need nvfp4_copy='e4m3' there")
     if kernel == "gluon":
         launches.append(_sm90_attention(q, v, causal=causal, q_offset=q_offset, diag=diag_tiles, sink=sink_tiles,
                                         has_lo=has_lo, gluon=gluon))
     else:
-        launch = launch or tuning.launch_config(d, causal, pv_fp8, target.capability)
+        launch = launch or tuning.launch_config(d, causal, pv_fp8, target.capability, lo_bf16=lo_bf16)
         launches.append(_triton_attention(
             q, v, _operands("q"), _operands("k"), ("vt", "v_scale") if pv_fp8 else (v.name, v.name),
             causal=causal, q_offset=q_offset, diag=diag_tiles, sink=sink_tiles, qk_scale=1.0, launch=launch,
-            high=high, low=low, native=tiles, has_lo=has_lo, pv_fp8=pv_fp8, target=target))
+            high=high, low=low, native=tiles, has_lo=has_lo, pv_fp8=pv_fp8, target=target, lo_bf16=lo_bf16))
     return Plan(tuple(launches), "out")
 
 

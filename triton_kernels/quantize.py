@@ -164,7 +164,7 @@ def _quantize_tile(
     EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
     MAX_VALUE: tl.constexpr, BLOCK: tl.constexpr, NVFP4: tl.constexpr, RULE: tl.constexpr,
     BLOCK_T: tl.constexpr, D: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_FP8: tl.constexpr,
-    PER_TILE: tl.constexpr, HW_CVT: tl.constexpr,
+    PER_TILE: tl.constexpr, HW_CVT: tl.constexpr, BF16_COPY: tl.constexpr,
 ):
     """Quantize a [BLOCK_T, D] float32 tile into one format, its block scales chosen
     by RULE (``format_table.SCALE_RULES``), and store it.
@@ -173,6 +173,9 @@ def _quantize_tile(
     WRITE_CODES stores the codes and scale bytes (what ``tl.dot_scaled`` reads on
     sm_100); WRITE_FP8 stores the E4M3 copy (what the FP8 tensor cores of sm_90
     read) and, unless PER_TILE (the caller stores the tile's scale), its token scales.
+    BF16_COPY (NVFP4, with WRITE_FP8, never PER_TILE) stores instead the bf16 values
+    ``e · sb``, exact in bf16 (at most 6 significant bits), and ``s2`` per token (NaN
+    for a token with a non-finite block): Hopper's exact operands for NVFP4 tiles.
     """
     NB: tl.constexpr = D // BLOCK
     E4M3: tl.constexpr = MAN_BITS == E4M3_MAN_BITS.value and EMIN == E4M3_EMIN.value  # MXFP8's default elements
@@ -254,7 +257,14 @@ def _quantize_tile(
             r = round_e2m1(v, v)
         else:
             r = round_to_element(v, MAN_BITS, EMIN, MAX_VALUE)
-    if WRITE_FP8:
+    if WRITE_FP8 and BF16_COPY:
+        # A non-finite block has sb = 0 and finite elements: its values are zeros, and
+        # its token's NaN scale makes the key's scores NaN.
+        values = tl.reshape(r * tl.where(finite, sb, 0.0)[:, :, None], (BLOCK_T, D))
+        token_ok = tl.min(finite.to(tl.int32), axis=1) > 0
+        tl.store(ts_ptr + rows, tl.where(token_ok, s2, float("nan")), mask=mask)
+        tl.store(f8_ptr + rows[:, None] * D + cols[None, :], values.to(tl.bfloat16), mask=mask[:, None])
+    elif WRITE_FP8:
         f8, token, token_ok = _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX, NVFP4, PER_TILE, HW_CVT,
                                         E4M3, ZERO_SIGNS, ZERO_BYTES)
         f8 = tl.reshape(f8, (BLOCK_T, D))
@@ -405,6 +415,7 @@ def _dual_quantize_kernel(
     LO_E: tl.constexpr, LO_M: tl.constexpr, LO_EMIN: tl.constexpr, LO_EMAX: tl.constexpr,
     LO_MAX: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NVFP4: tl.constexpr, LO_RULE: tl.constexpr,
     TILE_T: tl.constexpr, PER_TILE: tl.constexpr, HW_CVT: tl.constexpr, FTZ_FOLD: tl.constexpr,
+    LO_BF16: tl.constexpr,
 ):
     """One program per (TILE_T tokens, head, batch) of x [B, L, H, D] (contiguous),
     quantized BLOCK_T tokens at a time: ``(x - mean)``, rotated with ROTATE, times
@@ -416,7 +427,8 @@ def _dual_quantize_kernel(
     program. Each program first finds its tile's scale (``_tile_references``, a pass
     over the whole tile), so TILE_T < TILE splits a tile's copies over more programs at
     the price of repeating that pass (``tuning.k_tile_tokens``). WRITE_LO=False skips the low
-    copy (every pair is high precision)."""
+    copy (every pair is high precision). LO_BF16 (NVFP4 low): the low copy holds bf16
+    ``e · sb`` with ``s2`` per token, also for K (``_quantize_tile``'s BF16_COPY)."""
     pid_t, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     cols = tl.arange(0, D)
     mean = _channel_row(mean_parts, mean_counts, n_parts, mean_count, H, b, h, D, SMOOTH, COUNTED)
@@ -430,7 +442,7 @@ def _dual_quantize_kernel(
         ts = (b * tl.cdiv(L, _SCALE_TILE) + tile) * H + h
         first = (pid_t * TILE_T) % _SCALE_TILE == 0
         tl.store(hi_ts + ts, hi_ref, mask=first)
-        if WRITE_LO:
+        if WRITE_LO and not LO_BF16:
             if LO_NVFP4:
                 # A tile of zero (or non-finite) tokens takes s2 = 1, as a zero token does.
                 lo_ref = tl.where(lo_ref == 0, 1.0, lo_ref)
@@ -445,11 +457,11 @@ def _dual_quantize_kernel(
         x = _prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, ROTATE, HW_CVT, FTZ_FOLD, False)
         _quantize_tile(x, rows, cols, mask, hi_ref, hi_codes, hi_scales, lo_token, hi_f8, hi_ts,
                        HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, HI_RULE, BLOCK_T, D, WRITE_CODES,
-                       WRITE_FP8, PER_TILE, HW_CVT)
+                       WRITE_FP8, PER_TILE, HW_CVT, False)
         if WRITE_LO:
             _quantize_tile(x, rows, cols, mask, lo_ref, lo_codes, lo_scales, lo_token, lo_f8, lo_ts,
                            LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, LO_RULE, BLOCK_T, D,
-                           WRITE_CODES, WRITE_FP8, PER_TILE, HW_CVT)
+                           WRITE_CODES, WRITE_FP8, PER_TILE and not LO_BF16, HW_CVT, LO_BF16)
 
 
 @triton.jit

@@ -128,14 +128,15 @@ def attention_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, target:
 def dma_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, q_offset: int,
                   diag_tiles: int, sink_tiles: int, high: str, low: str, smooth_k: bool, sm_scale: float,
                   pv: str = "input", high_rule: str | None = None, low_rule: str | None = None,
-                  rotate: bool = False, native: bool | None = None, kernel: str | None = None,
-                  launch: LaunchConfig | None = None) -> torch.Tensor:
+                  rotate: bool = False, nvfp4_copy: str = "bf16", native: bool | None = None,
+                  kernel: str | None = None, launch: LaunchConfig | None = None) -> torch.Tensor:
     """DMA on ``q [B, Lq, HQ, D]``, ``k, v [B, Lk, HKV, D]`` (checked by the caller):
     ``plan.attention_plan``'s launches."""
     q, k, v = (_contiguous(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
     plan = attention_plan(q, k, v, causal=causal, q_offset=q_offset, diag_tiles=diag_tiles, sink_tiles=sink_tiles,
                           high=high, low=low, smooth_k=smooth_k, sm_scale=sm_scale, pv=pv, high_rule=high_rule,
-                          low_rule=low_rule, rotate=rotate, native=native, kernel=kernel, launch=launch)
+                          low_rule=low_rule, rotate=rotate, nvfp4_copy=nvfp4_copy, native=native, kernel=kernel,
+                          launch=launch)
     return execute(plan, q=q, k=k, v=v)
 
 
