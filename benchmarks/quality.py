@@ -62,14 +62,16 @@ CONFIGS = {
 }
 # The scale-rule x rotation table (--rules): per family, the rule of the copy that
 # decides its error (the low copy's for DMA default), each without and with rotation;
-# DMA default also with OCP's rules, the library's defaults before round-up scales.
+# DMA default also with OCP's rules and no rotation, the library's numerics before
+# round-up scales and rotation.
 FAMILIES = {
     "DMA default": (DMAConfig, "low_rule", FORMATS["nvfp4"].rules),
     "all MXFP8": (DMAConfig.all_high, "high_rule", FORMATS["mxfp8_e4m3"].rules),
     "all NVFP4": (DMAConfig.all_low, "low_rule", FORMATS["nvfp4"].rules),
     "all MXFP4": (lambda **kw: DMAConfig.all_low(low="mxfp4", **kw), "low_rule", FORMATS["mxfp4"].rules),
 }
-RULE_CONFIGS = {"DMA default · OCP scales (floor, nearest) · none": DMAConfig(high_rule="floor")} | {
+RULE_CONFIGS = {"DMA default · OCP scales (floor, nearest) · none": DMAConfig(high_rule="floor", low_rule="nearest",
+                                                                              rotate="none")} | {
     f"{family} · {rule} · {rotate}": make(**{field: rule, "rotate": rotate})
     for family, (make, field, rules) in FAMILIES.items() for rotate in ("none", "hadamard") for rule in rules}
 CONFIGS.update(RULE_CONFIGS)

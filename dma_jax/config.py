@@ -51,8 +51,8 @@ class DMAConfig:
       high_rule, low_rule: how the high and the low copies choose their block scales
         (``FORMATS[fmt].rules``, see ``dma_jax.quantize``); ``None`` is the format's
         ``default_rule``.
-      rotate: ``"none"`` or ``"hadamard"`` (Q and K rotated along head_dim by the
-        Walsh–Hadamard matrix before quantization, ``dma_jax.rotation``).
+      rotate: ``"hadamard"`` (default: Q and K rotated along head_dim by the
+        Walsh–Hadamard matrix before quantization, ``dma_jax.rotation``) or ``"none"``.
       nvfp4_copy: what NVFP4 tiles multiply on GPUs without native NVFP4 MMAs (Hopper):
         ``"bf16"`` (``e · sb`` exactly, on bf16 tensor cores: the reference's numbers)
         or ``"e4m3"`` (rounded to E4M3 for the FP8 tensor cores, within 2^-4 per
@@ -68,7 +68,7 @@ class DMAConfig:
     pv: str = "input"
     high_rule: str | None = None
     low_rule: str | None = None
-    rotate: str = "none"
+    rotate: str = "hadamard"
     nvfp4_copy: str = "bf16"
 
     def __post_init__(self) -> None:
@@ -113,8 +113,11 @@ class DMAConfig:
         On sm_90 the kernel multiplies both the 8-bit and the 4-bit copies on the
         same FP8 tensor cores, so 4-bit tiles cost as much as 8-bit ones: the preset
         keeps all pairs high (one copy of Q and K to write instead of two) and
-        spends the saved error on ``pv="fp8"``. README "Speed" has its error and speed.
+        spends the saved error on ``pv="fp8"``. It skips the rotation (its cost is a few
+        percent of a call; pass ``rotate="hadamard"`` to have it). README "Speed" has its
+        error and speed.
         """
+        kwargs.setdefault("rotate", "none")
         return cls(diag_tiles=ALL_TILES, pv="fp8", **kwargs)
 
     def kernel_options(self, head_dim: int) -> dict:

@@ -238,7 +238,9 @@ def _quantize_nvfp4(
     s2 = jnp.where(s2 == 0, jnp.float32(1.0), s2)[..., None, None]
     xb = _blocks(x, fmt.block)
     amax_block = _abs_max(xb, -1, keepdims=True)
-    sb_f = div_rn(amax_block, jnp.float32(fmt.max_value) * s2)
+    # A subnormal quotient counts as zero (as every float32 subnormal here): with any rule
+    # its block encodes zeros with a zero scale.
+    sb_f = flush_subnormals(div_rn(amax_block, jnp.float32(fmt.max_value) * s2))
     finite = jnp.isfinite(sb_f)
     sb = e4m3_scale(jnp.where(finite, sb_f, 0.0), rule)
     # The elements are encoded with the rounded block scale, as they are decoded.

@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
                    help='repeat for several prompts (default: "What is the capital of France?")')
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--attention", default="dma", choices=["dma", "exact", "xla"])
-    p.add_argument("--decode-attention", choices=["exact", "xla"], default=None)
+    p.add_argument("--attention", default="dma", choices=["dma", "exact", "xla", "bf16"])
+    p.add_argument("--decode-attention", choices=["exact", "xla", "bf16"], default=None)
     p.add_argument("--diag-tiles", type=int, default=1)
     p.add_argument("--sink-tiles", type=int, default=1)
     p.add_argument("--low", default="nvfp4", choices=LOW_FORMATS)
@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare", action="store_true", help="also run exact attention and compare tokens")
+    p.add_argument("--compare", action="store_true",
+                   help="also answer with exact fp32 attention and with bf16 jax.nn.dot_product_attention, "
+                        "compare tokens, and show exact attention's first-token margin")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
@@ -157,8 +159,24 @@ def main(argv: list[str] | None = None) -> None:
         _answer(model, tokenizer, ids, spec, args)
 
 
+def first_token_margin(model: Llama, ids: list[int]) -> tuple[int, int, float]:
+    """Exact attention's two most likely first tokens after ``ids`` and their logit
+    margin: a small margin is a knife edge that any attention noise may flip."""
+    prefill, _ = compiled_steps(AttentionSpec.named("exact"))
+    cache = KVCache.empty(model.config, 1, len(ids) + 1, model.dtype)
+    logits, _ = prefill(model, jnp.asarray([ids], jnp.int32), cache)
+    values, tokens = jax.lax.top_k(logits[0, -1].astype(jnp.float32), 2)
+    return int(tokens[0]), int(tokens[1]), float(values[0] - values[1])
+
+
+# A first-token logit margin below this is reported as a knife edge: bf16 rounding of
+# attention alone moves SmolLM2's logits by about this much.
+KNIFE_EDGE = 0.5
+
+
 def _answer(model: Llama, tokenizer, ids: list[int], spec: AttentionSpec, args) -> None:
-    """Stream one answer, print the summary line and, with --compare, exact's answer."""
+    """Stream one answer, print the summary line and, with --compare, exact fp32 and
+    bf16 attention's answers and exact's first-token margin."""
     sampling = Sampling(args.temperature, args.top_p, args.seed)
     stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     timings = Timings()
@@ -178,13 +196,18 @@ def _answer(model: Llama, tokenizer, ids: list[int], spec: AttentionSpec, args) 
           f"(first call includes compilation); attention {spec.prefill}/{spec.decode}; "
           f"{device.platform} {device.device_kind}]")
     if args.compare:
-        exact = list(generate(model, ids, spec=AttentionSpec.named("exact"), max_new_tokens=args.max_new_tokens,
-                              sampling=sampling, stop_ids=stop))
-        rate, first = agreement(out, exact)
-        print(f"[vs exact attention: {rate:.1%} of generated tokens agree; "
-              f"first divergence: {'none' if first is None else f'token {first}'}]")
-        if first is not None:
-            print("exact:", tokenizer.decode(exact, skip_special_tokens=True))
+        top, second, margin = first_token_margin(model, ids)
+        edge = " (a knife edge: small attention errors may flip it)" if margin < KNIFE_EDGE else ""
+        print(f"[exact attention's first token {tokenizer.decode([top])!r} leads {tokenizer.decode([second])!r} "
+              f"by {margin:.2f} in logit{edge}]")
+        for name, label in (("exact", "exact fp32 attention"), ("bf16", "bf16 jax.nn.dot_product_attention")):
+            other = list(generate(model, ids, spec=AttentionSpec.named(name), max_new_tokens=args.max_new_tokens,
+                                  sampling=sampling, stop_ids=stop))
+            rate, first = agreement(out, other)
+            print(f"[vs {label}: {rate:.1%} of generated tokens agree; "
+                  f"first divergence: {'none' if first is None else f'token {first}'}]")
+            if first is not None:
+                print(f"{name}:", tokenizer.decode(other, skip_special_tokens=True))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ ELEMENT = {
 
 
 # docs/design.md's default block-scale rules.
-DEFAULT_RULE = {"mxfp8_e4m3": "up", "mxfp8_e5m2": "up", "mxfp4": "floor", "nvfp4": "nearest"}
+DEFAULT_RULE = {"mxfp8_e4m3": "up", "mxfp8_e5m2": "up", "mxfp4": "nearest", "nvfp4": "up"}
 RULES = {"mxfp8_e4m3": ("up", "floor", "nearest"), "mxfp8_e5m2": ("up", "floor", "nearest"),
          "mxfp4": ("up", "floor", "nearest"), "nvfp4": ("nearest", "up", "floor", "4/6")}
 
@@ -115,6 +115,7 @@ def quantize(x, fmt, rule=None):
             s2b = s2[..., None, None]
             amax_b = np.abs(xb).max(-1, keepdims=True)
             sb_f = (amax_b / (np.float32(6) * s2b)).astype(np.float32)
+            sb_f = np.where(np.abs(sb_f) < np.float32(2.0**-126), np.float32(0), sb_f)  # subnormals count as zero
             finite = np.isfinite(sb_f)
             sb_codes, sb = _e4m3_scale(np.where(finite, sb_f, 0), rule)
             xs = (xb / s2b).astype(np.float32)
@@ -234,7 +235,7 @@ def sylvester(d):
 
 def dma_attention(q, k, v, *, causal=True, diag=1, sink=1, high="mxfp8_e4m3",
                   low="nvfp4", smooth_k=True, sm_scale=None, q_offset=None,
-                  p_dtype=None, operands="exact", pv="input", high_rule=None, low_rule=None, rotate="none"):
+                  p_dtype=None, operands="exact", pv="input", high_rule=None, low_rule=None, rotate="hadamard"):
     """Float64 DMA per docs/design.md (pre-processing, pairs, computation); ``diag=None`` means exact (no quantization).
 
     ``operands="fp8"``: Q·Kᵀ from the FP8 copies (Q per token, K per 128-key tile). ``pv="fp8"``: P·2^8 and V

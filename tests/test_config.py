@@ -19,6 +19,17 @@ def test_defaults_follow_the_paper():
     assert DMAConfig(sm_scale=0.1).softmax_scale(128) == 0.1
 
 
+def test_numerics_defaults_are_the_measured_best():
+    """README "Quality": rotation on, round-up scales for MXFP8 and NVFP4 (NVFP4 tiles
+    exact on Hopper); the speed preset skips the rotation unless asked."""
+    c = DMAConfig()
+    assert (c.rotate, c.scale_rules, c.nvfp4_copy) == ("hadamard", ("up", "up"), "bf16")
+    assert DMAConfig(low="mxfp4").scale_rules == ("up", "nearest")
+    assert DMAConfig.hopper_fast().rotate == "none"
+    assert DMAConfig.hopper_fast(rotate="hadamard").rotate == "hadamard"
+    assert DMAConfig.all_low().rotate == DMAConfig.all_high().rotate == "hadamard"
+
+
 def test_frozen_and_hashable():
     c = DMAConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):

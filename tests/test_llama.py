@@ -132,7 +132,23 @@ def test_cli_streams_and_compares(capsys):
     out = capsys.readouterr().out
     assert "Paris" in out
     assert "8 new tokens" in out
-    assert "100.0% of generated tokens agree" in out
+    assert "[vs exact fp32 attention: 100.0% of generated tokens agree" in out
+    assert "[vs bf16 jax.nn.dot_product_attention:" in out
+    assert "exact attention's first token" in out and "in logit" in out
+
+
+def test_first_token_margin_is_exact_attentions_top2_gap():
+    """The margin the CLI reports is exact attention's top-2 logit gap, checked against
+    the logits of a plain prefill of the prompt."""
+    from models.generate import first_token_margin
+
+    model, make_tokenizer = load_checkpoint(None)
+    ids = make_tokenizer().encode("The capital of France is")
+    top, second, margin = first_token_margin(model, ids)
+    logits = np.asarray(model.prefill(jnp.asarray([ids]), None, AttentionSpec.named("exact"))[0][0, -1], np.float64)
+    order = np.argsort(logits)[::-1]
+    assert (top, second) == (order[0], order[1])
+    assert abs(margin - (logits[order[0]] - logits[order[1]])) < 1e-4
 
 
 def test_cli_answers_several_prompts(capsys):

@@ -22,7 +22,10 @@ class Format:
     max_value: float  # largest finite element value (saturation bound)
     block: int  # elements per block along head_dim
     scale: str  # "e8m0" (MX) or "e4m3_fp32" (NVFP4's two-level scale)
-    default_rule: str  # the block-scale rule used unless another is asked for (SCALE_RULES)
+    # The block-scale rule used unless another is asked for (SCALE_RULES), chosen on
+    # SmolLM2-135M (README "Quality", benchmarks/quality.py --rules): "up" for MXFP8 and
+    # NVFP4, "nearest" for MXFP4.
+    default_rule: str
 
     @property
     def packed(self) -> bool:
@@ -61,8 +64,8 @@ FORMATS: dict[str, Format] = {
     for f in (
         Format("mxfp8_e4m3", 4, 3, -6, 8, 448.0, 32, "e8m0", "up"),
         Format("mxfp8_e5m2", 5, 2, -14, 15, 57344.0, 32, "e8m0", "up"),
-        Format("mxfp4", 2, 1, 0, 2, 6.0, 32, "e8m0", "floor"),
-        Format("nvfp4", 2, 1, 0, 2, 6.0, 16, "e4m3_fp32", "nearest"),
+        Format("mxfp4", 2, 1, 0, 2, 6.0, 32, "e8m0", "nearest"),
+        Format("nvfp4", 2, 1, 0, 2, 6.0, 16, "e4m3_fp32", "up"),
     )
 }
 

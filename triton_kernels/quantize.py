@@ -195,7 +195,8 @@ def _quantize_tile(
         # A subnormal s2 counts as an all-zero token (as in dma_jax.formats).
         s2 = _nvfp4_s2(nan_max(amax, 1))
         s2 = tl.where(s2 == 0, 1.0, s2)
-        sb_f = tl.math.div_rn(amax, MAX_VALUE * s2[:, None])
+        # A subnormal quotient counts as zero, as in dma_jax.formats (GPUs keep subnormals).
+        sb_f = flush_subnormals(tl.math.div_rn(amax, MAX_VALUE * s2[:, None]))
         finite = (sb_f == sb_f) & (tl.abs(sb_f) < float("inf"))
         sb = e4m3_scale(tl.where(finite, sb_f, 0.0), RULE)
         usable = finite & (sb > 0)

@@ -6,6 +6,8 @@ position of query row 0 (``q_offset``) and the number of valid keys
 
 * ``exact``: jnp, fp32 softmax, GQA by grouping heads.
 * ``xla``: ``jax.nn.dot_product_attention`` (implementation="xla").
+* ``bf16``: ``jax.nn.dot_product_attention`` on Q, K, V rounded to bf16 (JAX's
+  choice of implementation): the standard attention a JAX user would otherwise run.
 * ``dma``: ``dma_jax.attention`` with a ``DMAConfig``; prefill only (it takes no
   key mask), as in the paper, which runs decode in exact attention.
 """
@@ -19,7 +21,8 @@ import jax.numpy as jnp
 
 import dma_jax
 
-ATTENTION_NAMES = ("exact", "xla", "dma")
+ATTENTION_NAMES = ("exact", "xla", "bf16", "dma")
+DECODE_NAMES = ("exact", "xla", "bf16")
 
 
 def _mask(q_len, kv_total, q_offset, kv_len):
@@ -44,12 +47,21 @@ def xla(q, k, v, *, q_offset, kv_len, sm_scale):
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale, implementation="xla")
 
 
+def bf16(q, k, v, *, q_offset, kv_len, sm_scale):
+    mask = _mask(q.shape[1], k.shape[1], q_offset, kv_len)[None, None]
+    q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    return jax.nn.dot_product_attention(q16, k16, v16, mask=mask, scale=sm_scale).astype(q.dtype)
+
+
+_FUNCTIONS = {"exact": exact, "xla": xla, "bf16": bf16}
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """Which attention runs in prefill and in decode.
 
-    ``prefill``: "exact", "xla" or "dma"; ``decode``: "exact" or "xla" (DMA runs
-    prefill only). ``dma`` configures the DMA prefill.
+    ``prefill``: "exact", "xla", "bf16" or "dma"; ``decode``: "exact", "xla" or "bf16"
+    (DMA runs prefill only). ``dma`` configures the DMA prefill.
     """
 
     prefill: str = "exact"
@@ -59,9 +71,9 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         if self.prefill not in ATTENTION_NAMES:
             raise ValueError(f"unknown attention {self.prefill!r}; expected one of {ATTENTION_NAMES}")
-        if self.decode not in ("exact", "xla"):
+        if self.decode not in DECODE_NAMES:
             raise ValueError(
-                f"decode attention must be 'exact' or 'xla'; got {self.decode!r} "
+                f"decode attention must be one of {DECODE_NAMES}; got {self.decode!r} "
                 "(DMA is a prefill kernel: it has no key mask for a partly filled cache)"
             )
 
@@ -78,9 +90,7 @@ class AttentionSpec:
         if self.prefill == "dma":
             cfg = dataclasses.replace(self.dma, sm_scale=sm_scale)
             return dma_jax.attention(q, k, v, causal=True, config=cfg)
-        fn = exact if self.prefill == "exact" else xla
-        return fn(q, k, v, q_offset=0, kv_len=k.shape[1], sm_scale=sm_scale)
+        return _FUNCTIONS[self.prefill](q, k, v, q_offset=0, kv_len=k.shape[1], sm_scale=sm_scale)
 
     def decode_fn(self, q, k, v, *, q_offset, kv_len, sm_scale):
-        fn = exact if self.decode == "exact" else xla
-        return fn(q, k, v, q_offset=q_offset, kv_len=kv_len, sm_scale=sm_scale)
+        return _FUNCTIONS[self.decode](q, k, v, q_offset=q_offset, kv_len=kv_len, sm_scale=sm_scale)
