@@ -188,12 +188,29 @@ def test_bad_checkpoints(tmp_path):
 def test_bad_attention_names_and_configs(tmp_path):
     with pytest.raises(ValueError, match="unknown attention 'flash'"):
         AttentionSpec.named("flash")
-    with pytest.raises(ValueError, match="decode attention must be 'exact' or 'xla'; got 'dma'"):
+    with pytest.raises(ValueError, match=r"decode attention must be one of \('exact', 'xla', 'bf16'\); got 'dma'"):
         AttentionSpec(prefill="dma", decode="dma")
     assert AttentionSpec.named("dma").decode == "exact"  # the paper's setting
+    assert AttentionSpec.named("bf16").decode == "bf16"
     cfg = json.loads(open(tiny_hf(tmp_path)[1] + "/config.json").read())
     cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
     from models.llama import LlamaConfig
 
     with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
         LlamaConfig.from_hf(cfg)
+
+
+def test_bf16_attention_is_plain_attention_on_bf16_inputs():
+    """The "bf16" choice (what --compare sets beside exact attention) equals float64
+    attention on the bf16-rounded inputs up to bf16 output rounding."""
+    import oracle
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 40, h, 64)).astype(np.float32) for h in (4, 2, 2))
+    spec = AttentionSpec.named("bf16")
+    got = np.asarray(spec.prefill_fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), sm_scale=0.125), np.float64)
+    r = [np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)) for x in (q, k, v)]
+    want = oracle.dma_attention(*r, causal=True, diag=None, sm_scale=0.125)
+    assert oracle.rel_l2(got, want) < 1e-2
+    # The output keeps the model's dtype.
+    assert spec.prefill_fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), sm_scale=0.125).dtype == jnp.float32
