@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 
@@ -47,10 +46,12 @@ def quantize_bytes(shape, low: str, mode: str) -> int:
     """Bytes read and written by one dual-quantize launch of a bf16 [B, S, H, D]."""
     b, s, h, d = shape
     n = b * s * h
-    if mode == "fp8":  # two E4M3 copies and two float32 token scales
-        written = n * (2 * d + 8)
-    elif mode == "fp8_tile":  # two E4M3 copies, two float32 scales per 128 tokens (input read once counted)
+    if mode.startswith("bf16lo"):  # an E4M3 copy, NVFP4's bf16 copy, two float32 token scales
+        written = n * (3 * d + 8)
+    elif mode.startswith("fp8_tile"):  # two E4M3 copies, two float32 scales per 128 tokens (input read once counted)
         written = n * 2 * d + 8 * b * h * -(-s // 128)
+    elif mode.startswith("fp8"):  # two E4M3 copies and two float32 token scales
+        written = n * (2 * d + 8)
     else:  # codes and scales of both formats (+ NVFP4's token scale)
         written = n * (d + d // 32 + d // 2 + d // (16 if low == "nvfp4" else 32))
         written += n * 4 if low == "nvfp4" else 0
@@ -62,8 +63,16 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
 
 
+# The sm_90 copies of Q (fp8) and K (fp8_tile), with NVFP4's exact bf16 copies (bf16lo, what
+# DMA's default writes on sm_90), with the Hadamard rotation (_rot), and the sm_100 codes.
 MODES = {"fp8": dict(codes=False, fp8=True), "fp8_tile": dict(codes=False, fp8=True, per_tile=True),
+         "bf16lo": dict(codes=False, fp8=True, lo_bf16=True),
+         "bf16lo_rot": dict(codes=False, fp8=True, lo_bf16=True, rotate=True),
+         "fp8_rot": dict(codes=False, fp8=True, rotate=True),
+         "fp8_tile_rot": dict(codes=False, fp8=True, per_tile=True, rotate=True),
          "codes": dict(codes=True, fp8=False)}
+# The low formats each mode is measured with (NVFP4's bf16 copy has no MXFP4 counterpart).
+MODE_LOWS = {mode: ("nvfp4",) if mode.startswith("bf16lo") else ("nvfp4", "mxfp4") for mode in MODES}
 
 
 def print_by_setting(title: str, shapes: list[str], rows: list[dict], key: str, settings: tuple[int, ...],
@@ -96,9 +105,10 @@ def main() -> None:
         torch.cuda.synchronize()
         return
     rows = []
-    cols = [f"{mode} {low}" for mode in MODES for low in ("nvfp4", "mxfp4")]
+    cols = [f"{mode} {low}" for mode in MODES for low in MODE_LOWS[mode]]
     print("GB/s (fraction of copy bandwidth); fp8 = the sm_90 copies (Q), fp8_tile = with one scale per "
-          "128 tokens (K; reads its input twice, counted once), codes = the sm_100 codes")
+          "128 tokens (K; reads its input twice, counted once), bf16lo = NVFP4's exact bf16 copy (DMA's "
+          "default on sm_90), _rot = with the Hadamard rotation, codes = the sm_100 codes")
     print("| shape [B,S,H,D] | copy GB/s | mean | " + " | ".join(cols) + " | V fp8 transpose |")
     print("|---|---:|---:|" + "---:|" * (len(cols) + 1))
     for text in args.shapes.split(","):
@@ -112,7 +122,7 @@ def main() -> None:
         row = {"shape": shape, "copy_ms": t_copy, "mean_ms": t_mean, "copy_GBps": copy_bw,
                "mean_GBps": x.numel() * 2 / t_mean / 1e6}
         cells = [f"{row['mean_GBps']:.0f} ({row['mean_GBps'] / copy_bw:.2f})"]
-        for mode, low in itertools.product(MODES, ("nvfp4", "mxfp4")):
+        for mode, low in ((m, lo) for m in MODES for lo in MODE_LOWS[m]):
             t = bench(lambda: dual_quantize(x, low=low, fold=0.127, mean=mean, **MODES[mode]))
             bw = quantize_bytes(shape, low, mode) / t / 1e6
             row[f"{mode}_{low}_ms"], row[f"{mode}_{low}_GBps"] = t, bw

@@ -559,3 +559,27 @@ def test_triton_kernels_never_import_jax():
     code = "import sys, triton_kernels.plan, triton_kernels.torch_executor; sys.exit('jax' in sys.modules)"
     root = pathlib.Path(__file__).parents[1]
     assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_nvfp4_bf16_copy_holds_e_times_sb_exactly(rotate):
+    """NVFP4's copy for Hopper's exact path (``lo_bf16``): bf16 values equal to the
+    element times its E4M3 block scale, and ``s2`` per token (NaN for a token with a
+    non-finite element), from the independent oracle's codes."""
+    import oracle
+
+    x = inputs("nan", (1, 70, 2, 64), seed=12)
+    xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
+    got = dual_quantize(xt, fold=0.3, codes=False, fp8=True, lo_bf16=True, rotate=rotate)
+    assert got.lo_f8.dtype == torch.bfloat16 and got.lo_ts.shape == (1, 70, 2)
+    x32 = prepared(xt, fold=0.3, rotate=rotate)
+    codes, scales, token, _ = oracle.quantize(x32, "nvfp4")
+    e = np.stack([codes & 0xF, codes >> 4], -1).reshape(x32.shape).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    finite = scales != 0x7F
+    sb = np.where(finite, scales.view(ml_dtypes.float8_e4m3fn).astype(np.float64), 0)
+    want = (e.reshape(*x32.shape[:-1], -1, 16) * sb[..., None]).reshape(x32.shape)
+    np.testing.assert_array_equal(got.lo_f8.float().cpu().numpy().astype(np.float64), want)
+    ok = finite.all(-1)
+    ts = got.lo_ts.cpu().numpy()
+    np.testing.assert_array_equal(ts[ok], token[ok])
+    assert np.isnan(ts[~ok]).all() and (~ok).sum() == 3
