@@ -38,7 +38,8 @@ def test_quality_benchmark_tiny(tmp_path, capsys, configs):
     report = json.loads((tmp_path / "quality_cpu_w40.json").read_text())
     assert report["tokens_evaluated"] == 39
     rows = {r["attention"]: r for r in report["rows"]}
-    assert list(rows) == (["exact", *configs] if configs else list(quality.CONFIGS))
+    assert list(rows) == (["exact", *configs] if configs else
+                          [n for n in quality.CONFIGS if n not in quality.RULE_CONFIGS])
     assert rows["exact"]["top1_agreement"] == 1.0 and rows["exact"]["windows"] == 1
     for r in rows.values():
         assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1.0
@@ -70,6 +71,37 @@ def test_passkey_benchmark_tiny(tmp_path, capsys):
     for r in cell["results"].values():
         assert r["hit"] == passkey.found(r["answer"], cell["key"])
     assert "| attention | hits |" in capsys.readouterr().out
+
+
+def test_rules_table_covers_every_rule_with_and_without_rotation():
+    """--rules measures each family with every block-scale rule of the format that decides
+    its error, once without and once with rotation, plus the previous numerics."""
+    quality = load("quality")
+    from dma_jax import DMAConfig
+    from triton_kernels.format_table import FORMATS
+
+    configs = quality.RULE_CONFIGS
+    expected = {"DMA default": ("low_rule", "nvfp4"), "all MXFP8": ("high_rule", "mxfp8_e4m3"),
+                "all NVFP4": ("low_rule", "nvfp4"), "all MXFP4": ("low_rule", "mxfp4")}
+    for family, (field, fmt) in expected.items():
+        for rotate in ("none", "hadamard"):
+            for rule in FORMATS[fmt].rules:
+                cfg = configs[f"{family} · {rule} · {rotate}"]
+                assert getattr(cfg, field) == rule and cfg.rotate == rotate
+    assert len(configs) == 1 + 2 * (4 + 3 + 4 + 3)
+    previous = configs["DMA default · OCP scales (floor, nearest) · none"]
+    assert previous == DMAConfig(high_rule="floor", low_rule="nearest", rotate="none")
+
+
+@pytest.mark.slow
+def test_quality_benchmark_rules_table_tiny(tmp_path, capsys):
+    quality = load("quality")
+    quality.main(["--rules", "--window", "40", "--windows", "1", "--prompts", "1", "--new-tokens", "2",
+                  "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "quality_cpu_w40_rules.json").read_text())
+    assert [r["attention"] for r in report["rows"]] == ["exact", *quality.RULE_CONFIGS]
+    assert list(report["greedy"]["results"]) == ["exact", *[n for n in quality.RULE_CONFIGS
+                                                            if n.startswith("DMA default ·")]]
 
 
 def test_quality_benchmark_rejects_unknown_configs(capsys):
