@@ -217,22 +217,23 @@ from triton_kernels.aot import compile_launch
 from triton_kernels.plan import Buffer, attention_plan
 from triton_kernels.target import Target
 
-arch, low, native, pv_fp8 = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"
+arch, low, native, pv_fp8, copy = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", sys.argv[5]
 q, kv = Buffer("q", (1, 1024, 8, 128), "bfloat16"), Buffer("k", (1, 1024, 2, 128), "bfloat16")
 plan = attention_plan(q, kv, Buffer("v", kv.shape, "bfloat16"), Target((arch // 10, arch % 10)), causal=True,
                       q_offset=0, diag_tiles=1, sink_tiles=1, high="mxfp8_e4m3", low=low, smooth_k=True,
-                      sm_scale=0.1, pv="fp8" if pv_fp8 else "input", native=True if native else None, kernel="triton")
+                      sm_scale=0.1, pv="fp8" if pv_fp8 else "input", nvfp4_copy=copy, native=True if native else None,
+                      kernel="triton")
 ptx = compile_launch(plan, plan.launches[-1], {"q": "bfloat16", "k": "bfloat16", "v": "bfloat16"}, arch)["ptx"]
 print(sorted(set(re.findall(r"tcgen05[.]mma[.]cta_group::1[.]kind::([a-z0-9]+)[.]block_scale[.]([a-z0-9]+)", ptx))))
 print(sorted(set(re.findall(r"wgmma[.]mma_async[.]sync[.]aligned[.]m64n[0-9]+k[0-9]+[.]f32[.]([a-z0-9]+)[.]", ptx))))
 """
 
 
-def _compiled_mma_kinds(arch: int, low: str, native_low: bool, pv_fp8: bool = False) -> str:
+def _compiled_mma_kinds(arch: int, low: str, native_low: bool, pv_fp8: bool = False, nvfp4_copy: str = "bf16") -> str:
     # A compiled (not interpreted) kernel is needed: run without TRITON_INTERPRET.
     env = compiler_env()
     root = pathlib.Path(__file__).parents[1]
-    args = [str(arch), low, "1" if native_low else "0", "1" if pv_fp8 else "0"]
+    args = [str(arch), low, "1" if native_low else "0", "1" if pv_fp8 else "0", nvfp4_copy]
     done = subprocess.run([sys.executable, "-c", COMPILE_PTX, *args],
                           cwd=root, env=env, capture_output=True, text=True, check=True)
     return done.stdout
@@ -245,11 +246,13 @@ NEEDS_TRITON_39 = pytest.mark.skipif(not TRITON_39,
 @NEEDS_TRITON_39
 @SLOW
 def test_sm90_ptx_uses_fp8_wgmma():
-    """Without a GPU: compile for H100/H200 (sm_90). Q·Kᵀ runs on E4M3 wgmma; P·V
-    on bf16 wgmma by default and on E4M3 wgmma with pv="fp8"."""
+    """Without a GPU: compile for H100/H200 (sm_90). Q·Kᵀ of the MX tiles runs on E4M3
+    wgmma, of the NVFP4 tiles on bf16 wgmma (their exact copies) or, with
+    nvfp4_copy="e4m3", on E4M3; P·V on bf16 wgmma by default and on E4M3 with pv="fp8"."""
     tcgen05, wgmma = _compiled_mma_kinds(90, "nvfp4", False).splitlines()
     assert tcgen05 == "[]" and wgmma == "['bf16', 'e4m3']"
-    assert _compiled_mma_kinds(90, "nvfp4", False, pv_fp8=True).splitlines()[1] == "['e4m3']"
+    assert _compiled_mma_kinds(90, "nvfp4", False, pv_fp8=True).splitlines()[1] == "['bf16', 'e4m3']"
+    assert _compiled_mma_kinds(90, "nvfp4", False, pv_fp8=True, nvfp4_copy="e4m3").splitlines()[1] == "['e4m3']"
 
 
 @NEEDS_TRITON_39
