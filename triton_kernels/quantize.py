@@ -158,6 +158,20 @@ def _fp8_copy(r, v, block_exp, sb, s2, finite, tile_ref, EMAX: tl.constexpr, NVF
 
 
 @triton.jit
+def _block_quotients(xs, sb, finite, ZERO_UNUSABLE: tl.constexpr):
+    """``div_rn(xs, sb)`` per [T, NB, BLOCK] block (by a reciprocal and ``div_by``) for
+    the blocks with a usable scale (finite, nonzero); the others divide by 1 and, with
+    ZERO_UNUSABLE, are zeros. The NVFP4 elements before rounding, for either 4/6
+    candidate."""
+    usable = finite & (sb > 0)
+    sb_b = tl.where(usable, sb, 1.0)[:, :, None]
+    v = div_by(xs, sb_b, tl.math.div_rn(tl.full(sb_b.shape, 1.0, tl.float32), sb_b))
+    if ZERO_UNUSABLE:
+        v = tl.where(usable[:, :, None], v, 0.0)
+    return v
+
+
+@triton.jit
 def _quantize_tile(
     x, rows, cols, mask, tile_ref,
     codes_ptr, scales_ptr, token_ptr, f8_ptr, ts_ptr,
@@ -199,21 +213,18 @@ def _quantize_tile(
         sb_f = flush_subnormals(tl.math.div_rn(amax, MAX_VALUE * s2[:, None]))
         finite = (sb_f == sb_f) & (tl.abs(sb_f) < float("inf"))
         sb = e4m3_scale(tl.where(finite, sb_f, 0.0), RULE)
-        usable = finite & (sb > 0)
-        sb_b = tl.where(usable, sb, 1.0)[:, :, None]
         # x / s2 / sb, each division correctly rounded (the reference's two steps)
         # where the quotient is normal; the reciprocals are taken once per token and
         # per block. Usable blocks are finite with s2 and sb normal, so v is finite
         # (|v| <= 2688 * 2^9). A zero-scale block gives |v| < 1/4: zeros.
         s2_b = s2[:, None, None]
         xs = div_by(xb, s2_b, tl.math.div_rn(tl.full(s2_b.shape, 1.0, tl.float32), s2_b))
-        v = div_by(xs, sb_b, tl.math.div_rn(tl.full(sb_b.shape, 1.0, tl.float32), sb_b))
+        # A non-finite block's codes are signed zeros, +0 for NaN (its sign means
+        # nothing). The FP8 copy zeroes such blocks by itself.
+        v = _block_quotients(xs, sb, finite, WRITE_CODES)
         # Elements take the sign of x (div_by may lose a zero's).
         sign = xb
         if WRITE_CODES:
-            # A non-finite block's codes are signed zeros, +0 for NaN (its sign means
-            # nothing). The FP8 copy zeroes such blocks by itself.
-            v = tl.where(usable[:, :, None], v, 0.0)
             sign = tl.where(xb == xb, xb, 0.0)
         if ZERO_SIGNS:
             # A non-finite block's elements take no sign, so that its copy, r · sb with
@@ -227,12 +238,7 @@ def _quantize_tile(
             # The block maximum mapped to 4 instead of 6 where that reconstructs the
             # block better (sum of the exact errors |xs - r·sb| over a fixed pair tree).
             sb4 = round_to_e4m3_emulated(tl.where(finite, tl.math.div_rn(amax, 4.0 * s2[:, None]), 0.0))
-            usable4 = finite & (sb4 > 0)
-            sb4_b = tl.where(usable4, sb4, 1.0)[:, :, None]
-            v4 = div_by(xs, sb4_b, tl.math.div_rn(tl.full(sb4_b.shape, 1.0, tl.float32), sb4_b))
-            if WRITE_CODES:
-                v4 = tl.where(usable4[:, :, None], v4, 0.0)
-            r4 = round_e2m1(v4, sign)
+            r4 = round_e2m1(_block_quotients(xs, sb4, finite, WRITE_CODES), sign)
             err6 = pairwise_sum(tl.abs(xs - r * sb[:, :, None]), BLOCK)
             err4 = pairwise_sum(tl.abs(xs - r4 * sb4[:, :, None]), BLOCK)
             four = err4 < err6
