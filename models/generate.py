@@ -10,12 +10,9 @@ runs exact attention unless ``--decode-attention`` says otherwise.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import sys
-import time
-from typing import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local
 
@@ -26,85 +23,12 @@ from flax import nnx
 from dma_jax import DMAConfig
 from dma_jax.config import HIGH_FORMATS, LOW_FORMATS
 
-from .llama import AttentionSpec, KVCache, Llama, load_checkpoint
+from .decoding import Sampling, Timings, generate, generate_batch, sample
+from .llama import AttentionSpec, Llama, load_checkpoint
+from .llama.attention import ATTENTION_NAMES, DECODE_NAMES
 
-
-@dataclasses.dataclass
-class Sampling:
-    """Greedy when ``temperature == 0``; else temperature and top-p (nucleus) sampling."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-
-def sample(logits: jax.Array, key: jax.Array, s: Sampling) -> jax.Array:
-    """Next token ids ``[B]`` from logits ``[B, vocab]``."""
-    if s.temperature == 0:
-        return jnp.argmax(logits, axis=-1)
-    logits = logits / s.temperature
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p (always the first token).
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < s.top_p
-    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-
-
-@dataclasses.dataclass
-class Timings:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-
-
-@functools.lru_cache(maxsize=None)
-def compiled_steps(spec: AttentionSpec):
-    """(prefill, decode) jitted for one attention spec, shared by every call, so that
-    repeated generations reuse their compilations (JAX retraces per new shape only)."""
-    return (nnx.jit(lambda m, t, c: m.prefill(t, c, spec)),
-            nnx.jit(lambda m, t, c: m.decode(t, c, spec)))
-
-
-def generate(
-    model: Llama, prompt_ids: list[int], *, spec: AttentionSpec, max_new_tokens: int,
-    sampling: Sampling = Sampling(), stop_ids: tuple[int, ...] = (), timings: Timings | None = None,
-    cache_len: int | None = None,
-) -> Iterator[int]:
-    """Yield new token ids one by one (prefill once, then one decode step per token).
-
-    ``cache_len``: KV-cache length, at least prompt + new tokens (the default); one
-    length for many prompts lets them share one compiled decode step.
-    """
-    timings = timings or Timings()
-    tokens = jnp.asarray([prompt_ids], jnp.int32)
-    needed = len(prompt_ids) + max_new_tokens
-    if cache_len is not None and cache_len < needed:
-        raise ValueError(f"cache_len must be >= prompt + new tokens ({needed}); got {cache_len}")
-    cache = KVCache.empty(model.config, 1, cache_len or needed, model.dtype)
-    prefill, decode = compiled_steps(spec)
-    key = jax.random.PRNGKey(sampling.seed)
-    timings.prompt_tokens = len(prompt_ids)
-
-    start = time.perf_counter()
-    logits, cache = prefill(model, tokens, cache)
-    key, sub = jax.random.split(key)
-    token = sample(logits[:, -1], sub, sampling)
-    token.block_until_ready()
-    timings.prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for i in range(max_new_tokens):
-        tok = int(token[0])
-        timings.new_tokens = i + 1
-        timings.decode_s = time.perf_counter() - start
-        yield tok
-        if tok in stop_ids or i + 1 == max_new_tokens:
-            break
-        logits, cache = decode(model, token[:, None], cache)
-        key, sub = jax.random.split(key)
-        token = sample(logits[:, -1], sub, sampling)
+__all__ = ["Sampling", "Timings", "agreement", "chat_prompt", "first_token_margin", "generate", "generate_batch",
+           "main", "sample"]
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
@@ -113,59 +37,31 @@ def chat_prompt(tokenizer, text: str) -> list[int]:
 
 
 def agreement(a: list[int], b: list[int]) -> tuple[float, int | None]:
-    """Fraction of positions where two token lists agree, and the first divergence."""
+    """Fraction of the positions both token lists have where they agree, and the first
+    divergence there (None when one list is a prefix of the other: an answer that
+    stopped early agrees as far as it goes)."""
     n = min(len(a), len(b))
-    first = next((i for i in range(n) if a[i] != b[i]), None if len(a) == len(b) else n)
+    first = next((i for i in range(n) if a[i] != b[i]), None)
     same = sum(x == y for x, y in zip(a, b))
-    return same / max(len(a), len(b), 1), first
+    return (same / n if n else float(len(a) == len(b))), first
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Generate text with the Flax Llama and DMA attention.")
-    p.add_argument("--prompt", action="append", default=None,
-                   help='repeat for several prompts (default: "What is the capital of France?")')
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--attention", default="dma", choices=["dma", "exact", "xla", "bf16"])
-    p.add_argument("--decode-attention", choices=["exact", "xla", "bf16"], default=None)
-    p.add_argument("--diag-tiles", type=int, default=1)
-    p.add_argument("--sink-tiles", type=int, default=1)
-    p.add_argument("--low", default="nvfp4", choices=LOW_FORMATS)
-    p.add_argument("--high", default="mxfp8_e4m3", choices=HIGH_FORMATS)
-    p.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: embedded SmolLM2)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare", action="store_true",
-                   help="also answer with exact fp32 attention and with bf16 jax.nn.dot_product_attention, "
-                        "compare tokens, and show exact attention's first-token margin")
-    args = p.parse_args(argv)
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+def device_name() -> str:
+    """JAX's default device in words: the GPU's model, or the platform (e.g. "CPU")."""
+    device = jax.devices()[0]
+    return device.platform.upper() if device.device_kind.lower() == device.platform else device.device_kind
 
-    model, make_tokenizer = load_checkpoint(args.checkpoint, dtype=getattr(jnp, args.dtype))
-    tokenizer = make_tokenizer()
-    dma = DMAConfig(diag_tiles=args.diag_tiles, sink_tiles=args.sink_tiles, high=args.high, low=args.low)
-    spec = AttentionSpec.named(args.attention, dma=dma, decode=args.decode_attention)
-    for i, prompt in enumerate(args.prompt or ["What is the capital of France?"]):
-        if i:
-            print()
-        if len(args.prompt or ()) > 1:
-            print(f"> {prompt}")
-        ids = chat_prompt(tokenizer, prompt) if args.chat else tokenizer.encode(prompt)
-        _answer(model, tokenizer, ids, spec, args)
+
+@functools.lru_cache(maxsize=None)
+def _last_logits(spec: AttentionSpec):
+    return nnx.jit(lambda m, t: m.prefill(t, None, spec, last_only=True)[0])
 
 
 def first_token_margin(model: Llama, ids: list[int]) -> tuple[int, int, float]:
     """Exact attention's two most likely first tokens after ``ids`` and their logit
     margin: a small margin is a knife edge that any attention noise may flip."""
-    prefill, _ = compiled_steps(AttentionSpec.named("exact"))
-    cache = KVCache.empty(model.config, 1, len(ids) + 1, model.dtype)
-    logits, _ = prefill(model, jnp.asarray([ids], jnp.int32), cache)
-    values, tokens = jax.lax.top_k(logits[0, -1].astype(jnp.float32), 2)
+    logits = _last_logits(AttentionSpec.named("exact"))(model, jnp.asarray([ids], jnp.int32))
+    values, tokens = jax.lax.top_k(logits[0].astype(jnp.float32), 2)
     return int(tokens[0]), int(tokens[1]), float(values[0] - values[1])
 
 
@@ -174,11 +70,86 @@ def first_token_margin(model: Llama, ids: list[int]) -> tuple[int, int, float]:
 KNIFE_EDGE = 0.5
 
 
-def _answer(model: Llama, tokenizer, ids: list[int], spec: AttentionSpec, args) -> None:
+def summary(t: Timings, spec: AttentionSpec) -> str:
+    """One line: tokens, compile time, time to first token, decode rate, attention, device."""
+    rows = f"{t.batch} prompts, " if t.batch > 1 else ""
+    return (f"[{rows}{t.prompt_tokens} prompt tokens, {t.new_tokens} new tokens; compile {t.compile_s:.1f} s, "
+            f"first token {1e3 * t.prefill_s:.0f} ms, decode {t.decode_tokens_per_s:.1f} tok/s"
+            f"{' per prompt' if t.batch > 1 else ''}; attention {spec.prefill}/{spec.decode}; {device_name()}]")
+
+
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except for flags and options whose help says it in words."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m models.generate",
+                                description="Generate text with the Flax Llama and DMA attention.",
+                                formatter_class=_Defaults)
+    p.add_argument("--prompt", action="append", default=None,
+                   help='repeat for several prompts (default: "What is the capital of France?")')
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--batch", action="store_true", help="answer all prompts in one batch (one prefill, one decode loop)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
+    p.add_argument("--attention", default="dma", choices=ATTENTION_NAMES, help="prefill attention")
+    p.add_argument("--decode-attention", choices=DECODE_NAMES, default=None,
+                   help="decode attention (default: exact after a DMA prefill, else the prefill's)")
+    p.add_argument("--diag-tiles", type=int, default=DMAConfig.diag_tiles, help="DMA: high-precision diagonal band")
+    p.add_argument("--sink-tiles", type=int, default=DMAConfig.sink_tiles, help="DMA: high-precision first key tiles")
+    p.add_argument("--low", default=DMAConfig.low, choices=LOW_FORMATS, help="DMA: the 4-bit format")
+    p.add_argument("--high", default=DMAConfig.high, choices=HIGH_FORMATS, help="DMA: the 8-bit format")
+    p.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: the embedded SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="compute dtype; auto: bfloat16 on a GPU, float32 elsewhere")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--compare", action="store_true",
+                   help="also answer with exact fp32 attention and with bf16 jax.nn.dot_product_attention, "
+                        "compare tokens, and show exact attention's first-token margin")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
+    try:
+        sampling = Sampling(args.temperature, args.top_p, args.seed)
+        dma = DMAConfig(diag_tiles=args.diag_tiles, sink_tiles=args.sink_tiles, high=args.high, low=args.low)
+        spec = AttentionSpec.named(args.attention, dma=dma, decode=args.decode_attention)
+    except ValueError as e:
+        p.error(str(e))
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    try:
+        model, make_tokenizer = load_checkpoint(args.checkpoint, dtype=getattr(jnp, dtype))
+    except (FileNotFoundError, ValueError) as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    tokenizer = make_tokenizer()
+    prompts = args.prompt or ["What is the capital of France?"]
+    ids = [chat_prompt(tokenizer, t) if args.chat else tokenizer.encode(t) for t in prompts]
+    stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+    if args.batch:
+        _answer_batch(model, tokenizer, prompts, ids, spec, sampling, stop, args)
+        return
+    for i, (prompt, prompt_ids) in enumerate(zip(prompts, ids)):
+        if i:
+            print()
+        if len(prompts) > 1:
+            print(f"> {prompt}")
+        _answer(model, tokenizer, prompt_ids, spec, sampling, stop, args)
+
+
+def _answer(model: Llama, tokenizer, ids: list[int], spec: AttentionSpec, sampling: Sampling,
+            stop: tuple[int, ...], args) -> None:
     """Stream one answer, print the summary line and, with --compare, exact fp32 and
     bf16 attention's answers and exact's first-token margin."""
-    sampling = Sampling(args.temperature, args.top_p, args.seed)
-    stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     timings = Timings()
     out: list[int] = []
     printed = ""
@@ -189,25 +160,48 @@ def _answer(model: Llama, tokenizer, ids: list[int], spec: AttentionSpec, args) 
         sys.stdout.write(text[len(printed):])
         sys.stdout.flush()
         printed = text
-    device = jax.devices()[0]
-    print(f"\n[{timings.prompt_tokens} prompt tokens, {timings.new_tokens} new tokens; "
-          f"prefill {timings.prompt_tokens / max(timings.prefill_s, 1e-9):.1f} tok/s, "
-          f"decode {max(timings.new_tokens - 1, 0) / max(timings.decode_s, 1e-9):.1f} tok/s "
-          f"(first call includes compilation); attention {spec.prefill}/{spec.decode}; "
-          f"{device.platform} {device.device_kind}]")
+    print("\n" + summary(timings, spec))
     if args.compare:
-        top, second, margin = first_token_margin(model, ids)
-        edge = " (a knife edge: small attention errors may flip it)" if margin < KNIFE_EDGE else ""
-        print(f"[exact attention's first token {tokenizer.decode([top])!r} leads {tokenizer.decode([second])!r} "
-              f"by {margin:.2f} in logit{edge}]")
-        for name, label in (("exact", "exact fp32 attention"), ("bf16", "bf16 jax.nn.dot_product_attention")):
-            other = list(generate(model, ids, spec=AttentionSpec.named(name), max_new_tokens=args.max_new_tokens,
-                                  sampling=sampling, stop_ids=stop))
-            rate, first = agreement(out, other)
-            print(f"[vs {label}: {rate:.1%} of generated tokens agree; "
-                  f"first divergence: {'none' if first is None else f'token {first}'}]")
-            if first is not None:
-                print(f"{name}:", tokenizer.decode(other, skip_special_tokens=True))
+        _compare(model, tokenizer, ids, out, sampling, stop, args)
+
+
+def _compare(model: Llama, tokenizer, ids: list[int], out: list[int], sampling: Sampling,
+             stop: tuple[int, ...], args) -> None:
+    top, second, margin = first_token_margin(model, ids)
+    edge = " (a knife edge: small attention errors may flip it)" if margin < KNIFE_EDGE else ""
+    print(f"[exact attention's first token {tokenizer.decode([top])!r} leads {tokenizer.decode([second])!r} "
+          f"by {margin:.2f} in logit{edge}]")
+    for name, label in (("exact", "exact fp32 attention"), ("bf16", "bf16 jax.nn.dot_product_attention")):
+        print(f"[answering with {label}...]", flush=True)
+        other = list(generate(model, ids, spec=AttentionSpec.named(name), max_new_tokens=args.max_new_tokens,
+                              sampling=sampling, stop_ids=stop))
+        rate, first = agreement(out, other)
+        shared = min(len(out), len(other))
+        length = "" if len(out) == len(other) else f" (of the {shared} both have; {len(out)} vs {len(other)} tokens)"
+        print(f"[vs {label}: {rate:.1%} of generated tokens agree{length}; "
+              f"first divergence: {'none' if first is None else f'token {first}'}]")
+        if first is not None:
+            print(f"{name}:", tokenizer.decode(other, skip_special_tokens=True))
+
+
+def _answer_batch(model: Llama, tokenizer, prompts: list[str], ids: list[list[int]], spec: AttentionSpec,
+                  sampling: Sampling, stop: tuple[int, ...], args) -> None:
+    """Answer every prompt in one batch, then print each answer and one summary."""
+    timings = Timings()
+    outs: list[list[int]] = [[] for _ in ids]
+    for step in generate_batch(model, ids, spec=spec, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                               stop_ids=stop, timings=timings):
+        for row, tok in enumerate(step):
+            if tok is not None:
+                outs[row].append(tok)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        if i:
+            print()
+        print(f"> {prompt}")
+        print(tokenizer.decode(out, skip_special_tokens=True))
+        if args.compare:
+            _compare(model, tokenizer, ids[i], out, sampling, stop, args)
+    print(summary(timings, spec))
 
 
 if __name__ == "__main__":

@@ -254,3 +254,22 @@ def test_default_numerics_equal_the_exact_reference(low, causal):
             args = [jax.device_put(np.asarray(x), cpu) for x in (q, k, v)]
             ref = np.asarray(reference_attention(*args, causal=causal, config=cfg), np.float32)
         assert oracle.rel_l2(out, ref) <= 5e-3
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_model_cudnn_attention_matches_exact(dtype):
+    """The Llama's "cudnn" choice: causal prefill, and decode rows at their own
+    positions with per-row key lengths, equal exact attention up to bf16 rounding."""
+    from models.llama import AttentionSpec
+
+    spec, exact = AttentionSpec.named("cudnn"), AttentionSpec.named("exact")
+    q, k, v = inputs(23, 2, 300, 300, 9, 3, 64, dtype)
+    got = spec.prefill_fn(q, k, v, sm_scale=0.125)
+    assert got.dtype == dtype
+    want = exact.prefill_fn(q, k, v, sm_scale=0.125)
+    assert oracle.rel_l2(np.asarray(got, np.float32), np.asarray(want, np.float32)) <= 1e-2
+    pos = jnp.asarray([120, 299], jnp.int32)
+    qd = q[:, :1]
+    got = spec.decode_fn(qd, k, v, q_offset=pos, kv_len=pos + 1, sm_scale=0.125)
+    want = exact.decode_fn(qd, k, v, q_offset=pos, kv_len=pos + 1, sm_scale=0.125)
+    assert oracle.rel_l2(np.asarray(got, np.float32), np.asarray(want, np.float32)) <= 1e-2

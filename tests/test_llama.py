@@ -16,7 +16,7 @@ from transformers import LlamaConfig as HFConfig
 from transformers import LlamaForCausalLM
 
 import dma_jax
-from models.generate import Sampling, agreement, chat_prompt, generate, main, sample
+from models.generate import Sampling, Timings, agreement, chat_prompt, generate, generate_batch, main, sample
 from models.llama import AttentionSpec, KVCache, load_checkpoint
 from models.llama.loaders import embedded_model_path, load_gguf, load_hf
 
@@ -65,8 +65,35 @@ def test_prefill_then_decode_equals_full_forward(tmp_path):
         for i in range(20, 24):
             logits, cache = model.decode(tokens[:, i:i + 1], cache, spec)
             steps.append(logits[:, -1])
-        assert int(cache.length) == 24
+        assert cache.length.tolist() == [24]
         np.testing.assert_allclose(np.stack(steps[1:], 1), np.asarray(full[:, 20:]), atol=2e-5)
+
+
+def test_batch_of_prompts_of_different_lengths_decodes_each_row_as_alone(tmp_path):
+    """Right-padded rows: prefill with per-row lengths, then decode steps at per-row
+    positions, give each row the logits of its own full forward (transformers')."""
+    hf, path = tiny_hf(tmp_path, rope=ROPE_LLAMA3)
+    model = load_hf(path)
+    rng = np.random.default_rng(4)
+    rows = [rng.integers(0, 300, n) for n in (9, 15, 12)]
+    prompt_lens = [n - 3 for n in map(len, rows)]
+    padded = np.zeros((3, max(prompt_lens)), np.int64)
+    for r, (row, n) in enumerate(zip(rows, prompt_lens)):
+        padded[r, :n] = row[:n]
+    for decode in ("exact", "xla"):
+        spec = AttentionSpec(decode=decode)
+        last, cache = model.prefill(jnp.asarray(padded), KVCache.empty(model.config, 3, 16), spec,
+                                    lengths=jnp.asarray(prompt_lens), last_only=True)
+        got = [[np.asarray(last[r])] for r in range(3)]
+        for i in range(3):
+            step = jnp.asarray([[row[n + i]] for row, n in zip(rows, prompt_lens)])
+            logits, cache = model.decode(step, cache, spec)
+            for r in range(3):
+                got[r].append(np.asarray(logits[r, 0]))
+        assert cache.length.tolist() == [n + 3 for n in prompt_lens]
+        for r, (row, n) in enumerate(zip(rows, prompt_lens)):
+            want = hf_logits(hf, row[None])[0, n - 1:]
+            np.testing.assert_allclose(np.stack(got[r]), want, atol=1e-4)
 
 
 def test_dma_all_high_stays_close_to_exact(tmp_path):
@@ -111,8 +138,24 @@ def test_greedy_answer_contains_paris(smollm):
     longer = list(generate(model, ids, spec=AttentionSpec.named("exact"), max_new_tokens=12,
                            stop_ids=(tokenizer.eos_token_id,), cache_len=len(ids) + 40))
     assert longer == out
-    with pytest.raises(ValueError, match=r"cache_len must be >= prompt \+ new tokens"):
+    with pytest.raises(ValueError, match=r"cache_len must be >= longest prompt \+ new tokens"):
         next(generate(model, ids, spec=AttentionSpec.named("exact"), max_new_tokens=12, cache_len=len(ids)))
+    # A batch of two prompts of different lengths answers each as alone; the timings
+    # count every row's prompt and the steps.
+    other = chat_prompt(tokenizer, "Name three primary colors.")
+    alone = list(generate(model, other, spec=AttentionSpec.named("exact"), max_new_tokens=12,
+                          stop_ids=(tokenizer.eos_token_id,)))
+    timings = Timings()
+    steps = list(generate_batch(model, [ids, other], spec=AttentionSpec.named("exact"), max_new_tokens=12,
+                                stop_ids=(tokenizer.eos_token_id,), timings=timings))
+    assert [[s[r] for s in steps if s[r] is not None] for r in range(2)] == [out, alone]
+    assert (timings.batch, timings.prompt_tokens, timings.new_tokens) == (2, len(ids) + len(other), len(steps))
+    assert timings.compile_s > 0 and timings.prefill_s > 0 and timings.decode_tokens_per_s > 0
+    # The same shapes again: compiled already.
+    again = Timings()
+    list(generate_batch(model, [ids, other], spec=AttentionSpec.named("exact"), max_new_tokens=12,
+                        stop_ids=(tokenizer.eos_token_id,), timings=again))
+    assert again.compile_s == 0
 
 
 def test_sampling():
@@ -124,6 +167,14 @@ def test_sampling():
     assert draws == {1, 2}  # tokens outside the 0.85 nucleus never appear
     assert agreement([1, 2, 3], [1, 2, 4]) == (2 / 3, 2)
     assert agreement([1, 2], [1, 2]) == (1.0, None)
+    assert agreement([1, 2], [1, 2, 3]) == (1.0, None)  # an early stop agrees as far as it goes
+    assert agreement([1, 5], [1, 2, 3]) == (0.5, 1)
+    # Frozen and validated: a compiled step is specialised to its sampling.
+    assert hash(Sampling(0.7, 0.9)) == hash(Sampling(0.7, 0.9))
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]; got 0"):
+        Sampling(top_p=0)
+    with pytest.raises(ValueError, match="temperature must be >= 0; got -1"):
+        Sampling(temperature=-1)
 
 
 def test_cli_streams_and_compares(capsys):
@@ -188,7 +239,7 @@ def test_bad_checkpoints(tmp_path):
 def test_bad_attention_names_and_configs(tmp_path):
     with pytest.raises(ValueError, match="unknown attention 'flash'"):
         AttentionSpec.named("flash")
-    with pytest.raises(ValueError, match=r"decode attention must be one of \('exact', 'xla', 'bf16'\); got 'dma'"):
+    with pytest.raises(ValueError, match=r"decode attention must be one of \('exact', 'xla', 'bf16', 'cudnn'\); got 'dma'"):
         AttentionSpec(prefill="dma", decode="dma")
     assert AttentionSpec.named("dma").decode == "exact"  # the paper's setting
     assert AttentionSpec.named("bf16").decode == "bf16"
@@ -214,3 +265,28 @@ def test_bf16_attention_is_plain_attention_on_bf16_inputs():
     assert oracle.rel_l2(got, want) < 1e-2
     # The output keeps the model's dtype.
     assert spec.prefill_fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), sm_scale=0.125).dtype == jnp.float32
+
+
+def test_cudnn_attention_says_it_needs_a_gpu():
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU cuDNN runs: tests/test_gpu.py checks it")
+    q = jnp.zeros((1, 4, 2, 64))
+    with pytest.raises(ValueError, match="cudnn attention needs an NVIDIA GPU; JAX's default backend is 'cpu'"):
+        AttentionSpec.named("cudnn").prefill_fn(q, q, q, sm_scale=0.125)
+
+
+def test_cli_help_and_one_line_errors(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m models.generate")
+    assert "(default: dma)" in out and "(default: 64)" in out
+    for argv, message in ((["--diag-tiles", "-1"], "diag_tiles must be"),
+                          (["--top-p", "0"], r"top_p must be in (0, 1]; got 0.0"),
+                          (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1; got 0"),
+                          (["--checkpoint", str(tmp_path / "nope.bin")], "neither a directory nor a .gguf file")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err

@@ -1,13 +1,16 @@
 """Attention functions the Llama model can use, chosen by name.
 
 Every function takes ``q [B, T, Hq, D]``, ``k, v [B, S, Hkv, D]``, the absolute
-position of query row 0 (``q_offset``) and the number of valid keys
-(``kv_len``, a traced scalar during decode) and returns ``[B, T, Hq, D]``.
+position of query row 0 (``q_offset``) and the number of valid keys (``kv_len``),
+each a scalar or one per batch row ``[B]`` (traced during decode), and returns
+``[B, T, Hq, D]``.
 
 * ``exact``: jnp, fp32 softmax, GQA by grouping heads.
 * ``xla``: ``jax.nn.dot_product_attention`` (implementation="xla").
 * ``bf16``: ``jax.nn.dot_product_attention`` on Q, K, V rounded to bf16 (JAX's
   choice of implementation): the standard attention a JAX user would otherwise run.
+* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` in bf16 (an
+  NVIDIA GPU only): the fastest bf16 attention JAX offers, the honest baseline.
 * ``dma``: ``dma_jax.attention`` with a ``DMAConfig``; prefill only (it takes no
   key mask), as in the paper, which runs decode in exact attention.
 """
@@ -21,14 +24,17 @@ import jax.numpy as jnp
 
 import dma_jax
 
-ATTENTION_NAMES = ("exact", "xla", "bf16", "dma")
-DECODE_NAMES = ("exact", "xla", "bf16")
+ATTENTION_NAMES = ("exact", "xla", "bf16", "cudnn", "dma")
+DECODE_NAMES = ("exact", "xla", "bf16", "cudnn")
 
 
 def _mask(q_len, kv_total, q_offset, kv_len):
-    q_pos = q_offset + jnp.arange(q_len)[:, None]
-    k_pos = jnp.arange(kv_total)[None, :]
-    return (k_pos <= q_pos) & (k_pos < kv_len)
+    """``[B or 1, T, S]``: key s is visible to query row t (causal, below kv_len)."""
+    q_offset = jnp.atleast_1d(jnp.asarray(q_offset))
+    kv_len = jnp.atleast_1d(jnp.asarray(kv_len))
+    q_pos = q_offset[:, None, None] + jnp.arange(q_len)[None, :, None]
+    k_pos = jnp.arange(kv_total)[None, None, :]
+    return (k_pos <= q_pos) & (k_pos < kv_len[:, None, None])
 
 
 def exact(q, k, v, *, q_offset, kv_len, sm_scale):
@@ -36,32 +42,49 @@ def exact(q, k, v, *, q_offset, kv_len, sm_scale):
     hkv = k.shape[2]
     qg = q.astype(jnp.float32).reshape(b, t, hkv, hq // hkv, d)
     s = jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(jnp.float32), precision="highest") * sm_scale
-    s = jnp.where(_mask(t, k.shape[1], q_offset, kv_len), s, -jnp.inf)
+    s = jnp.where(_mask(t, k.shape[1], q_offset, kv_len)[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32), precision="highest")
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
 def xla(q, k, v, *, q_offset, kv_len, sm_scale):
-    mask = _mask(q.shape[1], k.shape[1], q_offset, kv_len)[None, None]
+    mask = _mask(q.shape[1], k.shape[1], q_offset, kv_len)[:, None]
     return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=sm_scale, implementation="xla")
 
 
 def bf16(q, k, v, *, q_offset, kv_len, sm_scale):
-    mask = _mask(q.shape[1], k.shape[1], q_offset, kv_len)[None, None]
+    mask = _mask(q.shape[1], k.shape[1], q_offset, kv_len)[:, None]
     q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
     return jax.nn.dot_product_attention(q16, k16, v16, mask=mask, scale=sm_scale).astype(q.dtype)
 
 
-_FUNCTIONS = {"exact": exact, "xla": xla, "bf16": bf16}
+def cudnn(q, k, v, *, q_offset, kv_len, sm_scale):
+    """cuDNN's fused attention in bf16. A prefill (``q_offset`` 0, every key valid) is
+    causal; a decode step (one query row at position ``q_offset``, ``kv_len`` =
+    ``q_offset + 1``) sees its row's first ``kv_len`` keys, cuDNN's per-row key lengths."""
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"cudnn attention needs an NVIDIA GPU; JAX's default backend is {jax.default_backend()!r}")
+    b, t = q.shape[:2]
+    q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    if t == 1:
+        lengths = jnp.broadcast_to(jnp.asarray(kv_len, jnp.int32), (b,))
+        out = jax.nn.dot_product_attention(q16, k16, v16, scale=sm_scale, implementation="cudnn",
+                                           key_value_seq_lengths=lengths)
+    else:
+        out = jax.nn.dot_product_attention(q16, k16, v16, scale=sm_scale, implementation="cudnn", is_causal=True)
+    return out.astype(q.dtype)
+
+
+_FUNCTIONS = {"exact": exact, "xla": xla, "bf16": bf16, "cudnn": cudnn}
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """Which attention runs in prefill and in decode.
 
-    ``prefill``: "exact", "xla", "bf16" or "dma"; ``decode``: "exact", "xla" or "bf16"
-    (DMA runs prefill only). ``dma`` configures the DMA prefill.
+    ``prefill``: one of ``ATTENTION_NAMES``; ``decode``: one of ``DECODE_NAMES`` (DMA
+    runs prefill only). ``dma`` configures the DMA prefill.
     """
 
     prefill: str = "exact"

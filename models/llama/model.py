@@ -1,7 +1,9 @@
 """Flax NNX Llama: RMSNorm, SwiGLU, rotary embeddings (HF rotate-half), GQA, KV cache.
 
 The KV cache is explicit: ``prefill`` and ``decode`` take a :class:`KVCache`
-and return the updated one. Attention is chosen by an :class:`AttentionSpec`.
+and return the updated one. Rows of a batch may hold prompts of different lengths
+(right-padded): each row has its own cache length, position and key mask.
+Attention is chosen by an :class:`AttentionSpec`.
 """
 
 from __future__ import annotations
@@ -18,17 +20,28 @@ from .config import LlamaConfig
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer: ``[layers, B, max_len, kv_heads, head_dim]``,
-    and the number of filled positions."""
+    """Keys and values, one ``[B, max_len, kv_heads, head_dim]`` array per layer (so
+    that a decode step updates each in place), and each row's number of filled
+    positions ``[B]``."""
 
-    k: jax.Array
-    v: jax.Array
-    length: jax.Array  # int32 scalar
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    length: jax.Array  # int32 [B]
 
     @classmethod
     def empty(cls, config: LlamaConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
-        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+        layers = range(config.num_layers)
+        return cls(tuple(jnp.zeros(shape, dtype) for _ in layers), tuple(jnp.zeros(shape, dtype) for _ in layers),
+                   jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers."""
+        return sum(x.nbytes for x in (*self.k, *self.v))
 
 
 def rope_frequencies(config: LlamaConfig) -> jax.Array:
@@ -46,9 +59,12 @@ def rope_frequencies(config: LlamaConfig) -> jax.Array:
 
 
 def rotary(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate-half rotary embedding of ``x [B, T, H, D]`` at ``positions [T]`` (fp32 math)."""
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    emb = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+    """Rotate-half rotary embedding of ``x [B, T, H, D]`` at ``positions`` ``[T]`` or
+    ``[B, T]`` (fp32 math)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([angles, angles], axis=-1)[..., None, :]
+    if emb.ndim == 3:
+        emb = emb[None]
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
@@ -130,10 +146,11 @@ class Llama(nnx.Module):
             return self.embed_tokens.attend(h).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
-    def run_layers(self, tokens, positions, attend, write=lambda i, k, v: None):
-        """Logits of ``tokens`` at ``positions`` with a custom attention:
-        ``attend(layer, q, k, v) -> o`` (after RoPE); ``write(layer, k, v)`` sees
-        each layer's keys and values. prefill and decode are built on it."""
+    def run_layers(self, tokens, positions, attend, write=lambda i, k, v: None, select=None):
+        """Logits of ``tokens`` at ``positions`` (``[T]`` or ``[B, T]``) with a custom
+        attention: ``attend(layer, q, k, v) -> o`` (after RoPE); ``write(layer, k, v)``
+        sees each layer's keys and values; ``select(h)`` picks the hidden states that
+        get logits (default all). prefill and decode are built on it."""
         inv_freq = rope_frequencies(self.config)
         h = self.embed_tokens(tokens)
         for i, block in enumerate(self.layers):
@@ -142,41 +159,53 @@ class Llama(nnx.Module):
             write(i, k, v)
             h = h + block.self_attn.out(attend(i, q, k, v))
             h = h + block.mlp(block.post_attention_layernorm(h))
-        return self._logits(h)
+        return self._logits(h if select is None else select(h))
 
-    def prefill(self, tokens: jax.Array, cache: KVCache | None, spec: AttentionSpec):
-        """Logits ``[B, T, vocab]`` of a prompt at positions 0..T-1, and the cache
-        holding its keys and values (``None`` in, ``None`` out: a plain forward)."""
-        t = tokens.shape[1]
+    def prefill(self, tokens: jax.Array, cache: KVCache | None, spec: AttentionSpec,
+                lengths: jax.Array | None = None, last_only: bool = False):
+        """Logits of a prompt at positions 0..T-1, and the cache holding its keys and
+        values (``None`` in, ``None`` out: a plain forward). ``lengths [B]``: each row's
+        prompt length when rows are right-padded to T (default T); the cache counts
+        only those. Logits ``[B, T, vocab]``, or with ``last_only`` ``[B, vocab]`` at
+        each row's last prompt token (the only ones generation needs)."""
+        b, t = tokens.shape
         scale = self.config.head_dim**-0.5
+        lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
         new_k, new_v = [], []
 
         def write(i, k, v):
             new_k.append(k)
             new_v.append(v)
 
-        logits = self.run_layers(tokens, jnp.arange(t), lambda i, q, k, v: spec.prefill_fn(q, k, v, sm_scale=scale), write)
+        def last(h):
+            return h[jnp.arange(b), lengths - 1]
+
+        # Causal attention: a row's padding comes after its prompt and never reaches it.
+        logits = self.run_layers(tokens, jnp.arange(t), lambda i, q, k, v: spec.prefill_fn(q, k, v, sm_scale=scale),
+                                 write, last if last_only else None)
         if cache is None:
             return logits, None
-        if t > cache.k.shape[2]:
-            raise ValueError(f"prompt of {t} tokens does not fit a cache of {cache.k.shape[2]}")
-        k = jax.lax.dynamic_update_slice_in_dim(cache.k, jnp.stack(new_k).astype(cache.k.dtype), 0, axis=2)
-        v = jax.lax.dynamic_update_slice_in_dim(cache.v, jnp.stack(new_v).astype(cache.v.dtype), 0, axis=2)
-        return logits, KVCache(k, v, jnp.asarray(t, jnp.int32))
+        if t > cache.max_len:
+            raise ValueError(f"prompt of {t} tokens does not fit a cache of {cache.max_len}")
+        k = tuple(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), 0, axis=1) for c, x in zip(cache.k, new_k))
+        v = tuple(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), 0, axis=1) for c, x in zip(cache.v, new_v))
+        return logits, KVCache(k, v, lengths)
 
     def decode(self, tokens: jax.Array, cache: KVCache, spec: AttentionSpec):
-        """One step: logits ``[B, 1, vocab]`` of ``tokens [B, 1]`` at position ``cache.length``."""
+        """One step: logits ``[B, 1, vocab]`` of ``tokens [B, 1]``, each row at its
+        position ``cache.length``."""
         pos = cache.length
+        rows = jnp.arange(tokens.shape[0])
         scale = self.config.head_dim**-0.5
-        ks, vs = [cache.k[i] for i in range(self.config.num_layers)], [cache.v[i] for i in range(self.config.num_layers)]
+        ks, vs = list(cache.k), list(cache.v)
 
         def write(i, k, v):
-            ks[i] = jax.lax.dynamic_update_slice_in_dim(ks[i], k.astype(ks[i].dtype), pos, axis=1)
-            vs[i] = jax.lax.dynamic_update_slice_in_dim(vs[i], v.astype(vs[i].dtype), pos, axis=1)
+            ks[i] = ks[i].at[rows, pos].set(k[:, 0].astype(ks[i].dtype))
+            vs[i] = vs[i].at[rows, pos].set(v[:, 0].astype(vs[i].dtype))
 
         def attend(i, q, k, v):
             return spec.decode_fn(q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), q_offset=pos,
                                   kv_len=pos + 1, sm_scale=scale)
 
-        logits = self.run_layers(tokens, pos[None], attend, write)
-        return logits, KVCache(jnp.stack(ks), jnp.stack(vs), pos + 1)
+        logits = self.run_layers(tokens, pos[:, None], attend, write)
+        return logits, KVCache(tuple(ks), tuple(vs), pos + 1)
