@@ -24,7 +24,8 @@ def _check_count(name: str, value: object) -> None:
 
 
 def _check_choice(name: str, value: object, allowed: tuple) -> None:
-    if value not in allowed:
+    # By type and value: 1 is not True, 0 not False.
+    if not any(type(value) is type(a) and value == a for a in allowed):
         raise ValueError(f"DMAConfig.{name} must be one of {allowed}; got {value!r}")
 
 
@@ -57,6 +58,11 @@ class DMAConfig:
         ``"bf16"`` (``e · sb`` exactly, on bf16 tensor cores: the reference's numbers)
         or ``"e4m3"`` (rounded to E4M3 for the FP8 tensor cores, within 2^-4 per
         element: faster, less accurate; README "Speed" has both).
+      native: ``None`` (default): block-scaled MMAs (``tl.dot_scaled``) for every tile
+        where the GPU has them (sm_100 and later), the FP8/bf16 copies elsewhere;
+        ``False``: the copies everywhere (Hopper's path, the fallback on Blackwell);
+        ``True``: ``tl.dot_scaled`` everywhere (Triton emulates it in bf16 before
+        sm_100).
     """
 
     diag_tiles: int = 1
@@ -70,6 +76,7 @@ class DMAConfig:
     low_rule: str | None = None
     rotate: str = "hadamard"
     nvfp4_copy: str = "bf16"
+    native: bool | None = None
 
     def __post_init__(self) -> None:
         _check_count("diag_tiles", self.diag_tiles)
@@ -80,6 +87,7 @@ class DMAConfig:
         _check_choice("pv", self.pv, PV_MODES)
         _check_choice("rotate", self.rotate, ROTATIONS)
         _check_choice("nvfp4_copy", self.nvfp4_copy, NVFP4_COPIES)
+        _check_choice("native", self.native, (None, True, False))
         for name, fmt in (("high_rule", self.high), ("low_rule", self.low)):
             try:
                 check_rule(FORMATS[fmt], getattr(self, name))
@@ -126,7 +134,7 @@ class DMAConfig:
         return dict(diag_tiles=self.diag_tiles, sink_tiles=self.sink_tiles, high=self.high, low=self.low,
                     smooth_k=self.smooth_k, sm_scale=self.softmax_scale(head_dim), pv=self.pv,
                     high_rule=self.scale_rules[0], low_rule=self.scale_rules[1], rotate=self.rotate == "hadamard",
-                    nvfp4_copy=self.nvfp4_copy)
+                    nvfp4_copy=self.nvfp4_copy, native=self.native)
 
     @property
     def scale_rules(self) -> tuple[str, str]:

@@ -9,6 +9,7 @@ rounds it relative to the final max: two bf16 roundings of P and of the output
 put bf16 agreement at 1–2.5e-3, so bf16 cases allow 4e-3.
 """
 
+import dataclasses
 import pathlib
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from triton_kernels.torch_executor import dma_attention, input_attention
 from triton_kernels.tuning import LaunchConfig
 
 import oracle
-from conftest import HAS_CUDA, TRITON_39, compiler_env
+from conftest import HAS_CUDA, TRITON_39, compiler_env, ptx_dot_scaled_semantics
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,9 +46,11 @@ def make(seed, b, lq, lk, hq, hkv, d, dtype):
 def kernel_vs_reference(q, k, v, *, causal, config, q_offset=None, native=None, launch=None):
     lq, lk, d = q.shape[1], k.shape[1], q.shape[3]
     offset = lk - lq if q_offset is None else q_offset
+    if native is not None:
+        config = dataclasses.replace(config, native=native)
     out = dma_attention(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal, q_offset=offset,
-        native=native, launch=launch, **config.kernel_options(d),
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal=causal, q_offset=offset, launch=launch,
+        **config.kernel_options(d),
     ).float().cpu().numpy()
     operands = "exact" if native else "fp8"
     with jax.default_device(jax.devices("cpu")[0]):
@@ -66,7 +69,7 @@ CASES = [
     (1, 1, 1, 2, 1, 64, True, 1, 1),
     (1, 127, 127, 2, 2, 128, True, 1, 1),
     (1, 128, 128, 3, 1, 64, False, 1, 1),
-    (2, 300, 300, 4, 2, 64, True, 1, 1),
+    (2, 300, 300, 2, 1, 64, True, 1, 1),
     (1, 300, 300, 2, 1, 128, False, 2, 1),
     (1, 130, 400, 2, 1, 128, True, 2, 1),
     (1, 300, 300, 4, 1, 64, True, 0, 0),
@@ -157,15 +160,38 @@ def test_non_finite_key_poisons_only_the_rows_that_see_it():
     assert oracle.rel_l2(out[0, :150], ref[0, :150]) <= 2e-3
 
 
-@pytest.mark.parametrize("diag,sink", [(1, 1), (0, 0), (2, 1)])
-def test_native_dot_scaled_mx_path(diag, sink):
-    """tl.dot_scaled (the sm_100 path) on MXFP8 + MXFP4 tiles, run by the interpreter
-    here (on sm_90 it is emulated). NVFP4's E4M3 block scales are not modelled by the
-    interpreter, so NVFP4 native tiles are off by default (triton_kernels.target)."""
-    q, k, v = make(7, 1, 300, 300, 2, 1, 128, "fp16")
-    cfg = DMAConfig(low="mxfp4", diag_tiles=diag, sink_tiles=sink)
-    out, ref = kernel_vs_reference(q, k, v, causal=True, config=cfg, native=True)
+SM100_CASES = [
+    # (b, lq, lk, hq, hkv, d, causal, config): every format pair, scale rule and the
+    # rotation on the block-scaled path, GQA, ragged lengths, head_dim 64 and 128.
+    (1, 300, 300, 2, 1, 128, True, DMAConfig()),
+    (1, 200, 330, 4, 2, 64, False, DMAConfig(low="mxfp4", diag_tiles=2)),
+    (2, 150, 150, 2, 1, 64, True, DMAConfig(high="mxfp8_e5m2", low_rule="4/6", rotate="none", diag_tiles=0,
+                                            sink_tiles=0)),
+    pytest.param(1, 300, 300, 6, 2, 128, False, DMAConfig(high_rule="floor", low_rule="nearest"), marks=SLOW),
+    pytest.param(1, 257, 400, 4, 1, 128, True, DMAConfig(low="mxfp4", high_rule="nearest", low_rule="up",
+                                                         rotate="none"), marks=SLOW),
+    pytest.param(1, 129, 129, 2, 2, 64, True, DMAConfig(low_rule="floor", sink_tiles=0), marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("b,lq,lk,hq,hkv,d,causal,cfg", SM100_CASES)
+def test_sm100_block_scaled_path_matches_reference(b, lq, lk, hq, hkv, d, causal, cfg):
+    """The sm_100 path (``tl.dot_scaled`` for every tile: the kernel source and format
+    constexprs a B200 compiles; the interpreter's own emulation switches aside) under
+    PTX's scale semantics (conftest: E8M0 per 32 for MX, unsigned E4M3 per 16 for
+    NVFP4) computes the reference's exact numbers."""
+    q, k, v = make(lq + d, b, lq, lk, hq, hkv, d, "fp16")
+    with ptx_dot_scaled_semantics():
+        out, ref = kernel_vs_reference(q, k, v, causal=causal, config=cfg, native=True)
     assert oracle.rel_l2(out, ref) <= 2e-3
+
+
+def test_sm100_nvfp4_check_depends_on_the_scale_semantics():
+    """Decoding NVFP4's scales as E8M0 (the interpreter's unpatched behaviour) would be
+    caught: the NVFP4 tiles then miss the reference by far."""
+    q, k, v = make(8, 1, 300, 300, 2, 1, 64, "fp16")
+    out, ref = kernel_vs_reference(q, k, v, causal=True, config=DMAConfig(), native=True)
+    assert oracle.rel_l2(out, ref) > 0.1
 
 
 def sink_dominated(seed, lq, lk, hq, hkv, d):
@@ -224,7 +250,13 @@ plan = attention_plan(q, kv, Buffer("v", kv.shape, "bfloat16"), Target((arch // 
                       sm_scale=0.1, pv="fp8" if pv_fp8 else "input", nvfp4_copy=copy, native=True if native else None,
                       kernel="triton")
 ptx = compile_launch(plan, plan.launches[-1], {"q": "bfloat16", "k": "bfloat16", "v": "bfloat16"}, arch)["ptx"]
-print(sorted(set(re.findall(r"tcgen05[.]mma[.]cta_group::1[.]kind::([a-z0-9]+)[.]block_scale[.]([a-z0-9]+)", ptx))))
+# Block-scaled tcgen05 MMAs: kind, scale block and, from bit 23 of the instruction
+# descriptor (an immediate moved into the register the MMA reads; PTX ISA, tcgen05
+# instruction descriptor: 1 = UE8M0, and for kind::mxf4nvf4 0 = UE4M3), the scale type.
+constants = dict(re.findall(r"mov[.]b32 \t(%r[0-9]+), (-?[0-9]+);", ptx))
+mmas = re.findall(r"tcgen05[.]mma[.]cta_group::1[.]kind::([a-z0-9]+)[.]block_scale[.]([a-z0-9]+) "
+                  r"\[[^]]*\], (?:\[[^]]*\]|%rd[0-9]+), %rd[0-9]+, (%r[0-9]+),", ptx)
+print(sorted({(kind, block, "ue8m0" if int(constants[r]) >> 23 & 1 else "ue4m3") for kind, block, r in mmas}))
 print(sorted(set(re.findall(r"wgmma[.]mma_async[.]sync[.]aligned[.]m64n[0-9]+k[0-9]+[.]f32[.]([a-z0-9]+)[.]", ptx))))
 """
 
@@ -257,11 +289,14 @@ def test_sm90_ptx_uses_fp8_wgmma():
 
 @NEEDS_TRITON_39
 def test_sm100_ptx_uses_block_scaled_tcgen05_mma():
-    """Without a GPU: compile for B200 (sm_100) and look for the block-scaled MMAs."""
-    kinds = _compiled_mma_kinds(100, "mxfp4", True)
-    assert "('mxf8f6f4', 'block32')" in kinds  # the MXFP8 tiles
-    assert "('mxf4', 'block32')" in kinds  # the MXFP4 tiles
-    assert "('mxf4nvf4', 'block16')" in _compiled_mma_kinds(100, "nvfp4", True)  # NVFP4 tiles, forced native
+    """Without a GPU: compile the default configuration for B200 (sm_100): every tile
+    on block-scaled MMAs, MXFP8 with E8M0 scales per 32, NVFP4 with unsigned E4M3
+    scales per 16, and no wgmma; MXFP4 low tiles with E8M0 per 32."""
+    tcgen05, wgmma = _compiled_mma_kinds(100, "nvfp4", False).splitlines()
+    assert tcgen05 == "[('mxf4nvf4', 'block16', 'ue4m3'), ('mxf8f6f4', 'block32', 'ue8m0')]"
+    assert wgmma == "[]"
+    tcgen05 = _compiled_mma_kinds(100, "mxfp4", False).splitlines()[0]
+    assert tcgen05 == "[('mxf4', 'block32', 'ue8m0'), ('mxf8f6f4', 'block32', 'ue8m0')]"
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp16", 5e-4), ("bf16", 4e-3)])

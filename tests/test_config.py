@@ -68,10 +68,10 @@ def test_kernel_options_carry_every_field_the_kernels_need():
     """Both front ends pass these to the launch plan: a field left out would be ignored
     on the GPU while the reference honours it."""
     c = DMAConfig(diag_tiles=3, sink_tiles=0, high="mxfp8_e5m2", low="mxfp4", smooth_k=False, sm_scale=0.2, pv="fp8",
-                  high_rule="floor", low_rule="nearest", rotate="hadamard", nvfp4_copy="e4m3")
+                  high_rule="floor", low_rule="nearest", rotate="hadamard", nvfp4_copy="e4m3", native=False)
     assert c.kernel_options(64) == dict(diag_tiles=3, sink_tiles=0, high="mxfp8_e5m2", low="mxfp4", smooth_k=False,
                                         sm_scale=0.2, pv="fp8", high_rule="floor", low_rule="nearest", rotate=True,
-                                        nvfp4_copy="e4m3")
+                                        nvfp4_copy="e4m3", native=False)
     assert {f.name for f in dataclasses.fields(DMAConfig)} == set(c.kernel_options(64))
     default = DMAConfig().kernel_options(64)
     assert default["sm_scale"] == 64**-0.5
@@ -85,6 +85,8 @@ def test_kernel_options_carry_every_field_the_kernels_need():
     ("low_rule", "ceil", r"DMAConfig.low_rule: nvfp4 block scales accept the rules .*'4/6'\); got 'ceil'"),
     ("rotate", True, r"DMAConfig.rotate must be one of \('none', 'hadamard'\); got True"),
     ("nvfp4_copy", "fp8", r"DMAConfig.nvfp4_copy must be one of \('bf16', 'e4m3'\); got 'fp8'"),
+    ("native", 1, r"DMAConfig.native must be one of \(None, True, False\); got 1"),
+    ("smooth_k", 0, r"DMAConfig.smooth_k must be one of \(True, False\); got 0"),
 ])
 def test_bad_rules_and_rotation(field, value, message):
     with pytest.raises(ValueError, match=message):

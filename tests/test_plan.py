@@ -83,10 +83,10 @@ def test_attention_plan_structure(target, name):
                                         **config.kernel_options(dim))
             _check_wiring(plan, {"q": q, "k": k, "v": v})
             attention = plan.launches[-1]
-            # NVFP4 tiles (never native by default) read exact bf16 copies with per-token
-            # scales unless nvfp4_copy="e4m3".
+            # Before sm_100, NVFP4 tiles read exact bf16 copies with per-token scales
+            # unless nvfp4_copy="e4m3"; from sm_100 on every tile is native.
             has_lo = not all_high(q_len, kv_len, kv_len - q_len, config.diag_tiles)
-            lo_bf16 = has_lo and config.low == "nvfp4" and config.nvfp4_copy == "bf16"
+            lo_bf16 = has_lo and config.low == "nvfp4" and config.nvfp4_copy == "bf16" and target == "sm90"
             for x, length in (("q", q_len), ("k", kv_len)):
                 if plan.buffer(f"{x}.lo_f8").written:
                     assert plan.buffer(f"{x}.lo_f8").dtype == ("bfloat16" if lo_bf16 else "uint8")
@@ -106,11 +106,12 @@ def test_attention_plan_structure(target, name):
                 assert k_ts.shape == (1, -(-kv_len // TILE), hkv)
             if not gluon:
                 assert attention.meta["LO_FMT"] == ("bf16" if lo_bf16 else "e2m1")
-            # On sm_100 the MX tiles are native: their codes are written, and the FP8
-            # copies only for NVFP4's low tiles.
-            native_low = target == "sm100" and config.low == "mxfp4"
+            # On sm_100 every tile is native: codes and scale bytes are written, no
+            # FP8 copies.
             assert plan.buffer("q.hi_codes").written == (target == "sm100")
-            assert plan.buffer("q.hi_f8").written == (not native_low)
+            assert plan.buffer("q.hi_f8").written == (target != "sm100")
+            assert (attention.meta.get("NATIVE_HI"), attention.meta.get("NATIVE_LO")) == (
+                (True, True) if target == "sm100" else (None, None) if gluon else (False, False))
 
 
 def test_all_high_calls_skip_the_low_copies():

@@ -311,7 +311,7 @@ def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: b
     q_len, d = q.shape[1], q.shape[3]
     kv_len, kv_heads = k.shape[1], k.shape[2]
     check_extent(kv_len, kv_heads, d)
-    tiles = resolve_native(target.capability, low, native)
+    tiles = resolve_native(target.capability, native)
     has_lo = not all_high(q_len, kv_len, q_offset, diag_tiles)
     fp8 = not all(tiles)
     if nvfp4_copy not in ("bf16", "e4m3"):

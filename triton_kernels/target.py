@@ -29,23 +29,21 @@ class Target(NamedTuple):
         return cls(None, True)
 
 
-def native_formats(capability: tuple[int, int] | None, low: str) -> tuple[bool, bool]:
-    """Whether the (high, low) tiles use ``tl.dot_scaled`` by default.
-
-    Block-scaled MMA exists from sm_100 (Blackwell) on. NVFP4 tiles compile to
-    ``tcgen05.mma ... kind::mxf4nvf4.block_scale.block16``, but Triton's interpreter
-    decodes every ``dot_scaled`` scale as E8M0, so nothing here has checked that path
-    against the reference: NVFP4 tiles take the FP8 path unless ``native=True``.
-    """
+def native_formats(capability: tuple[int, int] | None) -> tuple[bool, bool]:
+    """Whether the (high, low) tiles use ``tl.dot_scaled`` by default: every tile on
+    sm_100 and later (Blackwell's block-scaled MMAs: ``kind::mxf8f6f4`` block32 for
+    MXFP8, ``kind::mxf4`` block32 for MXFP4, ``kind::mxf4nvf4`` block16 with unsigned
+    E4M3 scales for NVFP4), none before. The CPU suite runs this path in Triton's
+    interpreter with PTX's scale semantics (tests/conftest.py)."""
     blackwell = capability is not None and capability[0] >= 10
-    return blackwell, blackwell and low == "mxfp4"
+    return blackwell, blackwell
 
 
-def resolve_native(capability: tuple[int, int] | None, low: str, native: bool | None) -> tuple[bool, bool]:
+def resolve_native(capability: tuple[int, int] | None, native: bool | None) -> tuple[bool, bool]:
     """(high, low) ``tl.dot_scaled`` switches: forced by ``native``, else by GPU."""
     if native is not None:
         return native, native
-    return native_formats(capability, low)
+    return native_formats(capability)
 
 
 def uses_sm90_kernel(capability: tuple[int, int] | None, head_dim: int, dtype: str, pv_fp8: bool,
