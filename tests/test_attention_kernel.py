@@ -239,7 +239,7 @@ def test_launch_shapes(block_m, block_n):
 
 COMPILE_PTX = """
 import re, sys
-from triton_kernels.aot import compile_launch
+from triton_kernels.aot import compile_kernel, ptxas_usage
 from triton_kernels.plan import Buffer, attention_plan
 from triton_kernels.target import Target
 
@@ -249,7 +249,7 @@ plan = attention_plan(q, kv, Buffer("v", kv.shape, "bfloat16"), Target((arch // 
                       q_offset=0, diag_tiles=1, sink_tiles=1, high="mxfp8_e4m3", low=low, smooth_k=True,
                       sm_scale=0.1, pv="fp8" if pv_fp8 else "input", nvfp4_copy=copy, native=True if native else None,
                       kernel="triton")
-ptx = compile_launch(plan, plan.launches[-1], {"q": "bfloat16", "k": "bfloat16", "v": "bfloat16"}, arch)["ptx"]
+ptx = compile_kernel(plan, plan.launches[-1], {"q": "bfloat16", "k": "bfloat16", "v": "bfloat16"}, arch).asm["ptx"]
 # Block-scaled tcgen05 MMAs: kind, scale block and, from bit 23 of the instruction
 # descriptor (an immediate moved into the register the MMA reads; PTX ISA, tcgen05
 # instruction descriptor: 1 = UE8M0, and for kind::mxf4nvf4 0 = UE4M3), the scale type.
@@ -258,6 +258,8 @@ mmas = re.findall(r"tcgen05[.]mma[.]cta_group::1[.]kind::([a-z0-9]+)[.]block_sca
                   r"\[[^]]*\], (?:\[[^]]*\]|%rd[0-9]+), %rd[0-9]+, (%r[0-9]+),", ptx)
 print(sorted({(kind, block, "ue8m0" if int(constants[r]) >> 23 & 1 else "ue4m3") for kind, block, r in mmas}))
 print(sorted(set(re.findall(r"wgmma[.]mma_async[.]sync[.]aligned[.]m64n[0-9]+k[0-9]+[.]f32[.]([a-z0-9]+)[.]", ptx))))
+usage = ptxas_usage(ptx)
+print(usage["spill_stores"] + usage["spill_loads"])
 """
 
 
@@ -281,7 +283,7 @@ def test_sm90_ptx_uses_fp8_wgmma():
     """Without a GPU: compile for H100/H200 (sm_90). Q·Kᵀ of the MX tiles runs on E4M3
     wgmma, of the NVFP4 tiles on bf16 wgmma (their exact copies) or, with
     nvfp4_copy="e4m3", on E4M3; P·V on bf16 wgmma by default and on E4M3 with pv="fp8"."""
-    tcgen05, wgmma = _compiled_mma_kinds(90, "nvfp4", False).splitlines()
+    tcgen05, wgmma, _ = _compiled_mma_kinds(90, "nvfp4", False).splitlines()
     assert tcgen05 == "[]" and wgmma == "['bf16', 'e4m3']"
     assert _compiled_mma_kinds(90, "nvfp4", False, pv_fp8=True).splitlines()[1] == "['bf16', 'e4m3']"
     assert _compiled_mma_kinds(90, "nvfp4", False, pv_fp8=True, nvfp4_copy="e4m3").splitlines()[1] == "['e4m3']"
@@ -291,12 +293,13 @@ def test_sm90_ptx_uses_fp8_wgmma():
 def test_sm100_ptx_uses_block_scaled_tcgen05_mma():
     """Without a GPU: compile the default configuration for B200 (sm_100): every tile
     on block-scaled MMAs, MXFP8 with E8M0 scales per 32, NVFP4 with unsigned E4M3
-    scales per 16, and no wgmma; MXFP4 low tiles with E8M0 per 32."""
-    tcgen05, wgmma = _compiled_mma_kinds(100, "nvfp4", False).splitlines()
+    scales per 16, no wgmma, and no register spills (ptxas); MXFP4 low tiles with E8M0
+    per 32. benchmarks/sm100_static.py reports every configuration."""
+    tcgen05, wgmma, spills = _compiled_mma_kinds(100, "nvfp4", False).splitlines()
     assert tcgen05 == "[('mxf4nvf4', 'block16', 'ue4m3'), ('mxf8f6f4', 'block32', 'ue8m0')]"
-    assert wgmma == "[]"
-    tcgen05 = _compiled_mma_kinds(100, "mxfp4", False).splitlines()[0]
-    assert tcgen05 == "[('mxf4', 'block32', 'ue8m0'), ('mxf8f6f4', 'block32', 'ue8m0')]"
+    assert wgmma == "[]" and spills == "0"
+    tcgen05, _, spills = _compiled_mma_kinds(100, "mxfp4", False).splitlines()
+    assert tcgen05 == "[('mxf4', 'block32', 'ue8m0'), ('mxf8f6f4', 'block32', 'ue8m0')]" and spills == "0"
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp16", 5e-4), ("bf16", 4e-3)])

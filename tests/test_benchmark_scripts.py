@@ -1,11 +1,14 @@
 """Every script under benchmarks/ imports on CPU. Most of them run only on a GPU, so
 nothing else in the suite loads them: a broken import line would otherwise wait for
-the next run on a GPU."""
+the next run on a GPU. Also: the scripts that check what they can on the CPU."""
 
+import json
 import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
@@ -30,3 +33,37 @@ def test_every_benchmark_script_imports():
     done = subprocess.run([sys.executable, "-c", IMPORT_ALL, *(s.stem for s in SCRIPTS)], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+def test_b200_check_refuses_other_gpus():
+    """benchmarks/b200.py is for sm_100: elsewhere it stops with a message that says so."""
+    path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "b200.py")], env=dict(os.environ, PYTHONPATH=path),
+                          capture_output=True, text=True)
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10:
+        pytest.skip("on a B200 the script runs: run it by hand")
+    assert done.returncode != 0
+    assert "checks the sm_100 (B200/GB200) path; this machine's GPU is" in done.stderr
+
+
+@pytest.mark.slow
+def test_sm100_static_report(tmp_path):
+    """benchmarks/sm100_static.py compiles a DMA call for sm_100 on the CPU and reports
+    block-scaled MMAs, no spills and the launch settings (here: the default config, D=64)."""
+    from conftest import TRITON_39, compiler_env
+
+    if not TRITON_39:
+        pytest.skip("compiling for sm_100 without a GPU needs triton >= 3.9")
+    env = dict(compiler_env(), PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)]))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sm100_static.py"), "--configs", "default",
+                           "--head-dims", "64", "--no-sm120", "--out", str(tmp_path)], env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "sm100_static.json").read_text())["rows"]
+    attention = [r for r in rows if r["launch"].endswith("_dma_attention_kernel")]
+    assert len(attention) == 2  # causal and not
+    for r in attention:
+        assert "tcgen05 mxf4nvf4 block16 ue4m3" in r["mma"] and "tcgen05 mxf8f6f4 block32 ue8m0" in r["mma"]
+        assert r["spill_stores"] == r["spill_loads"] == 0 and r["registers"] > 0 and r["warps"] == 8

@@ -28,12 +28,17 @@ def inputs(seed, b, lq, lk, hq, hkv, d, dtype=jnp.bfloat16):
     return [x.astype(dtype) for x in (q, k, v)]
 
 
+# sm_100+ multiplies the quantized operands themselves (block-scaled MMAs); sm_90 the
+# FP8 copies (Q per token, K per 128-key tile).
+OPERANDS = "exact" if HAS_CUDA and torch.cuda.get_device_capability()[0] >= 10 else "fp8"
+
+
 def cpu_reference(q, k, v, **kw):
-    """The reference with the operands sm_90 reads (FP8 copies: Q per token, K per 128-key tile)."""
+    """The reference with the operands this GPU reads."""
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
         args = [jax.device_put(np.asarray(x), cpu) for x in (q, k, v)]
-        return np.asarray(reference_attention(*args, operands="fp8", **kw), np.float32)
+        return np.asarray(reference_attention(*args, operands=kw.pop("operands", OPERANDS), **kw), np.float32)
 
 
 CASES = [

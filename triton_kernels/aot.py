@@ -1,9 +1,14 @@
 """Compiling a planned launch ahead of time, without a GPU: for the static checks of
-what the compiler emits (MMA kinds in PTX, instruction counts). Needs a Triton that
-compiles for the target offline (3.9 on the CPU machine). Imports Triton only."""
+what the compiler emits (MMA kinds in PTX, registers, spills, shared memory). Needs a
+Triton that compiles for the target offline (3.9 on the CPU machine). Imports Triton
+only (and runs the ptxas it ships)."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import tempfile
 from typing import Any
 
 import triton
@@ -12,7 +17,7 @@ from triton.compiler import ASTSource
 
 from .plan import Launch, Plan, Scalar
 
-__all__ = ["compile_launch", "signature"]
+__all__ = ["compile_kernel", "compile_launch", "ptxas_usage", "signature"]
 
 _POINTER_TYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "uint8": "*u8", "int32": "*i32"}
 
@@ -32,15 +37,48 @@ def signature(plan: Plan, launch: Launch, inputs: dict[str, str],
     return sig
 
 
-def compile_launch(plan: Plan, launch: Launch, inputs: dict[str, str], arch: int,
-                   specialised: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``launch``, one of ``plan``'s, compiled for sm_``arch``; its ``asm`` dict
-    (``ptx``, ``cubin``, ...). Every pointer is taken as 16-byte aligned, as the
-    frameworks allocate them; ``specialised`` fixes scalar arguments to constants
-    (jax-triton and torch pass an integer 1 that way)."""
+def compile_kernel(plan: Plan, launch: Launch, inputs: dict[str, str], arch: int,
+                   specialised: dict[str, Any] | None = None) -> Any:
+    """``launch``, one of ``plan``'s, compiled for sm_``arch`` (Triton's compiled
+    kernel: ``asm`` with ``ptx`` and ``cubin``, ``metadata`` with ``shared``). Every
+    pointer is taken as 16-byte aligned, as the frameworks allocate them;
+    ``specialised`` fixes scalar arguments to constants (jax-triton and torch pass an
+    integer 1 that way)."""
     sig = signature(plan, launch, inputs, specialised)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(launch.kernel.arg_names)
              if sig[n].startswith("*")}
     src = ASTSource(fn=launch.kernel, signature=sig, constexprs={**launch.meta, **(specialised or {})}, attrs=attrs)
     options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_launch(plan: Plan, launch: Launch, inputs: dict[str, str], arch: int,
+                   specialised: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``asm`` dict (``ptx``, ``cubin``, ...) of ``compile_kernel``."""
+    return compile_kernel(plan, launch, inputs, arch, specialised).asm
+
+
+def ptxas_usage(ptx: str) -> dict[str, int]:
+    """Registers per thread, spill stores and loads (bytes) and static shared memory
+    that ptxas reports for ``ptx`` (assembled for the target its ``.target`` line names,
+    with the ptxas Triton ships for it)."""
+    target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M).group(1)
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    # Triton 3.9 ships the newer ptxas as ptxas-blackwell; its PTX version needs it.
+    ptxas = next(p for p in (os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")) if os.path.exists(p))
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as fh:
+            fh.write(ptx)
+        done = subprocess.run([ptxas, "-v", "--gpu-name", target, src, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    text = done.stderr + done.stdout
+
+    def number(pattern: str) -> int:
+        found = re.search(pattern, text)
+        return int(found.group(1)) if found else 0
+
+    return {"registers": number(r"Used (\d+) registers"),
+            "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"),
+            "shared_static": number(r"(\d+) bytes smem")}
