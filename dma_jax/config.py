@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+
 from triton_kernels.format_table import FORMATS, check_rule
 
 from .rotation import ROTATIONS
@@ -29,6 +31,9 @@ def _check_choice(name: str, value: object, allowed: tuple) -> None:
         raise ValueError(f"DMAConfig.{name} must be one of {allowed}; got {value!r}")
 
 
+# A static pytree node (no leaves): jax.jit(dma_jax.attention)(q, k, v, config=cfg)
+# passes the config through as part of the tree structure, not as a traced value.
+@jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class DMAConfig:
     """Configuration of Diagonal-Tiled Mixed-Precision Attention.

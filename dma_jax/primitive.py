@@ -120,6 +120,8 @@ def attention(
       NotImplementedError: when differentiated.
     """
     check_attention_inputs(q, k, v, causal=causal, config=config, q_offset=q_offset)
+    if q.shape[0] == 0:  # an empty batch: nothing to compute, on every backend
+        return jnp.zeros(q.shape, q.dtype)
     offset = resolve_q_offset(q.shape[1], k.shape[1], q_offset)
     return dma_attention_p.bind(
         q, k, v, causal=causal, config=config or DMAConfig(), q_offset=offset

@@ -250,6 +250,8 @@ def reference_attention(
     """
     check_attention_inputs(q, k, v, causal=causal, config=config, q_offset=q_offset)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if q.shape[0] == 0:
+        return jnp.zeros(q.shape, q.dtype)
     offset = resolve_q_offset(q.shape[1], k.shape[1], q_offset)
     return dma_reference(
         q, k, v, causal=causal, config=config or DMAConfig(), q_offset=offset, operands=operands
@@ -272,6 +274,8 @@ def exact_attention(
     """
     check_attention_inputs(q, k, v, causal=causal, config=None, q_offset=q_offset)
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if q.shape[0] == 0:
+        return jnp.zeros(q.shape, jnp.float32)
     offset = resolve_q_offset(q.shape[1], k.shape[1], q_offset)
     scale = sm_scale if sm_scale is not None else q.shape[3] ** -0.5
     q32 = q.astype(jnp.float32) * np.float32(scale * math.log2(math.e))

@@ -44,6 +44,8 @@ def torch_attention(
             f"torch_attention runs a Triton kernel and needs CUDA tensors; got device "
             f"{q.device} (set TRITON_INTERPRET=1 to run Triton's interpreter on CPU)"
         )
+    if q.shape[0] == 0:  # an empty batch, as dma_jax.attention returns it
+        return torch.zeros_like(q)
     config = config or DMAConfig()
     offset = resolve_q_offset(q.shape[1], k.shape[1], q_offset)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

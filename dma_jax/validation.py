@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 from .config import DMAConfig
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 SUPPORTED_HEAD_DIMS = (64, 128)
+# Positions stay int32 in the kernels' tile arithmetic.
+MAX_OFFSET = 2**30
 
 
 def is_array(x: Any) -> bool:
@@ -75,6 +78,16 @@ def check_attention_inputs(
         )
     if q_len < 1 or kv_len < 1:
         raise ValueError(f"q_len and kv_len must be >= 1; got {q_len} and {kv_len}")
+    if batch < 0:
+        raise ValueError(f"batch must be >= 0; got {batch}")
+    for name, value in (("causal", causal), ("config", config), ("q_offset", q_offset)):
+        if _is_traced(value):
+            raise TypeError(
+                f"{name} must be a static Python value, but it is traced ({type(value).__name__}): "
+                f"options select kernels and shapes. Under jax.jit pass it statically, e.g. "
+                f"jax.jit(functools.partial(dma_jax.attention, {name}=...)) or "
+                f"jax.jit(dma_jax.attention, static_argnames=({name!r},))"
+            )
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool; got {causal!r}")
     if config is not None and not isinstance(config, DMAConfig):
@@ -87,6 +100,18 @@ def check_attention_inputs(
             )
     elif isinstance(q_offset, bool) or not isinstance(q_offset, (int, np.integer)):
         raise TypeError(f"q_offset must be a Python int or None; got {q_offset!r}")
+    elif causal and not 0 <= q_offset <= kv_len - q_len:
+        raise ValueError(
+            f"q_offset (the position of query row 0) must keep every query at a key position "
+            f"for causal attention: 0 <= q_offset <= kv_len - q_len = {kv_len - q_len}; got {q_offset}"
+        )
+    elif abs(int(q_offset)) > MAX_OFFSET:
+        raise ValueError(f"q_offset must be within ±{MAX_OFFSET}; got {q_offset}")
+
+
+def _is_traced(value: Any) -> bool:
+    """Whether ``value`` is a JAX tracer (an argument of a jitted function)."""
+    return isinstance(value, jax.core.Tracer)
 
 
 def resolve_q_offset(q_len: int, kv_len: int, q_offset: int | None) -> int:

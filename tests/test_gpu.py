@@ -161,12 +161,12 @@ def test_long_sequence_runs():
 ON_SM90 = HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)
 SM90_CASES = [
     # (b, lq, lk, hq, hkv, causal, q_offset, diag, sink): kv_len and q_len off the 128
-    # grid, GQA, a KV cache (q_offset > 0), rows before the first key (q_offset < 0),
+    # grid, GQA, a KV cache (q_offset > 0), a chunk in mid-sequence,
     # all pairs high (diag covering everything), one query row.
     (2, 300, 300, 8, 2, True, 0, 1, 1),
     (1, 200, 700, 4, 4, False, 500, 1, 1),
     (1, 129, 1200, 6, 2, True, 1071, 2, 0),
-    (1, 300, 250, 4, 1, True, -50, 1, 1),
+    (1, 250, 300, 4, 1, True, 20, 1, 1),
     (1, 640, 640, 2, 2, False, 0, 2**30, 0),
     (1, 1, 1000, 4, 2, True, 999, 1, 1),
 ]
@@ -190,8 +190,6 @@ def test_sm90_gluon_kernel_matches_reference_and_triton_kernel(b, lq, lk, hq, hk
     assert info.misses + info.hits == compiled + 1  # lowered through gluon_call
     ref = cpu_reference(q, k, v, causal=causal, config=cfg, q_offset=q_offset)
     assert oracle.rel_l2(out, ref) <= tolerance(jnp.bfloat16)
-    if q_offset < 0:  # rows before the first key have no valid key: zeros
-        assert not out[:, :-q_offset].any()
 
     tq, tk, tv = (bridge.to_torch(x) for x in (q, k, v))
     t_out = torch_attention(tq, tk, tv, causal=causal, config=cfg, q_offset=q_offset)
@@ -278,3 +276,45 @@ def test_model_cudnn_attention_matches_exact(dtype):
     got = spec.decode_fn(qd, k, v, q_offset=pos, kv_len=pos + 1, sm_scale=0.125)
     want = exact.decode_fn(qd, k, v, q_offset=pos, kv_len=pos + 1, sm_scale=0.125)
     assert oracle.rel_l2(np.asarray(got, np.float32), np.asarray(want, np.float32)) <= 1e-2
+
+
+def test_fuzz_through_jax_and_torch():
+    """200 random cases (tests/fuzz_cases.py: 20 structures x 10 inputs) through both
+    front ends, against the float64 oracle; the two front ends give the same bits.
+    Structures whose NVFP4 copies use the "floor" rule with smooth-K are left out here:
+    the GPU forms smooth-K's mean in its own summation order, and one ulp of it flips the
+    top block's scale between 448 and 416 under that rule (fuzz_cases.oracle_keys); the
+    CPU fuzz covers them with the implementation's own mean."""
+    import dataclasses
+
+    from fuzz_cases import compare, inputs, oracle_keys, oracle_kwargs, structure
+
+    from dma_jax.reference import smoothing_mean
+
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    structures = [s for s in map(structure, range(100, 200))
+                  if not (s.config.smooth_k and "nvfp4" in (s.config.high, s.config.low)
+                          and "floor" in s.config.scale_rules)][:20]
+    failures, cases = [], 0
+    for sid, s in enumerate(structures):
+        f = jax.jit(lambda q, k, v, s=s: dma_jax.attention(q, k, v, causal=s.causal, config=s.config,
+                                                           q_offset=s.q_offset))
+        # sm_90 reads E4M3 copies of the MX tiles (exact but for E4M3 subnormals) and,
+        # with nvfp4_copy="e4m3", of the NVFP4 tiles.
+        operands = "fp8" if sm90 and (s.config.low != "nvfp4" or s.config.nvfp4_copy == "e4m3") else "exact"
+        for j in range(10):
+            kind, (q, k, v) = inputs(s, 7919 * sid + j)
+            args = [jnp.asarray(x).astype(s.dtype) for x in (q, k, v)]
+            out = np.asarray(f(*args), np.float32)
+            t_out = torch_attention(*(bridge.to_torch(x) for x in args), causal=s.causal, config=s.config,
+                                    q_offset=s.q_offset)
+            mean = np.asarray(smoothing_mean(jax.device_put(args[1], jax.devices("cpu")[0]).astype(jnp.float32)))
+            want = oracle.dma_attention(q, oracle_keys(s, k, mean), v, operands=operands, **oracle_kwargs(s))
+            cases += 1
+            problem = compare(out, want, s)
+            if not problem and not np.array_equal(t_out.float().cpu().numpy(), out, equal_nan=True):
+                problem = "torch and JAX differ"
+            if problem:
+                failures.append(f"{dataclasses.astuple(s)[:9]} {s.config}, input {j} ({kind}): {problem}")
+    assert cases == 200
+    assert not failures, f"{len(failures)} of {cases}:\n" + "\n".join(failures)

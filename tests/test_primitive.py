@@ -125,11 +125,21 @@ def test_non_array_input():
         attention([[1.0]], jnp.zeros((1, 1, 1, 64)), jnp.zeros((1, 1, 1, 64)))
 
 
-def test_causal_q_longer_than_kv_with_explicit_offset_is_allowed():
+def test_causal_offsets_must_keep_every_query_at_a_key():
+    """Causal attention needs each query's own key: a negative q_offset (rows before key
+    0, which would see no key) or one past kv_len - q_len is an error; non-causal calls
+    take any offset (it only places the high-precision band)."""
     q, k, v = qkv(7, 1, 40, 20, 1, 1, 64)
-    out = attention(q, k, v, q_offset=-20)
-    assert (np.asarray(out[:, :20], np.float32) == 0).all()
-    assert close(out, reference_attention(q, k, v, q_offset=-20), 5e-3)
+    for offset in (-20, -1):
+        with pytest.raises(ValueError, match=rf"0 <= q_offset <= kv_len - q_len = -20; got {offset}"):
+            attention(q, k, v, q_offset=offset)
+    q, k, v = qkv(7, 1, 20, 40, 1, 1, 64)
+    with pytest.raises(ValueError, match=r"0 <= q_offset <= kv_len - q_len = 20; got 21"):
+        reference_attention(q, k, v, q_offset=21)
+    assert close(attention(q, k, v, causal=False, q_offset=-20),
+                 reference_attention(q, k, v, causal=False, q_offset=-20), 5e-3)
+    with pytest.raises(ValueError, match=r"q_offset must be within ±1073741824; got 1073741825"):
+        attention(q, k, v, causal=False, q_offset=2**30 + 1)
 
 
 @settings(max_examples=6, deadline=None)
@@ -152,6 +162,32 @@ def test_property_jit_and_vmap_match_reference(lq, extra, kv_heads, ratio, head_
     assert close(f(q, k, v), ref, 5e-3)
     vm = jax.vmap(lambda q, k, v: attention(q[None], k[None], v[None], causal=causal, config=cfg)[0])
     assert close(vm(q, k, v), ref, 5e-3)
+
+
+def test_options_under_jit():
+    """A config passes through jax.jit as a static value; causal and q_offset traced
+    by jax.jit get an error that says how to pass them statically, and that works."""
+    import functools
+
+    q, k, v = qkv(12, 1, 40, 40, 2, 1, 64)
+    cfg = DMAConfig(diag_tiles=0, sink_tiles=0)
+    assert close(jax.jit(attention)(q, k, v, config=cfg), reference_attention(q, k, v, config=cfg), 5e-3)
+    for option, value in (("causal", False), ("q_offset", 0)):
+        with pytest.raises(TypeError, match=rf"{option} must be a static Python value, but it is traced .*"
+                                            rf"jax.jit\(functools.partial\(dma_jax.attention, {option}=...\)\)"):
+            jax.jit(attention)(q, k, v, **{option: value})
+    want = reference_attention(q, k, v, causal=False)
+    assert close(jax.jit(functools.partial(attention, causal=False))(q, k, v), want, 5e-3)
+    assert close(jax.jit(attention, static_argnames=("causal",))(q, k, v, causal=False), want, 5e-3)
+
+
+@pytest.mark.parametrize("fn", [attention, reference_attention, dma_jax.exact_attention])
+def test_an_empty_batch_gives_an_empty_result(fn):
+    q, k, v = (jnp.zeros((0, n, 2, 64), jnp.bfloat16) for n in (5, 9, 9))
+    for f in (fn, jax.jit(fn)):
+        out = f(q, k, v)
+        assert out.shape == (0, 5, 2, 64)
+        assert out.dtype == (jnp.float32 if fn is dma_jax.exact_attention else jnp.bfloat16)
 
 
 def test_public_names():

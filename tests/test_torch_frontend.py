@@ -43,6 +43,14 @@ def test_torch_attention_validates_like_jax():
         torch_attention(q.int(), k.int(), k.int())
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         torch_attention(jnp.zeros((1, 16, 2, 64), jnp.bfloat16), k, k)
+    with pytest.raises(ValueError, match=r"0 <= q_offset <= kv_len - q_len = 0; got -3"):
+        torch_attention(k, k, k, q_offset=-3)
+
+
+def test_torch_attention_of_an_empty_batch_is_empty():
+    q, k = (torch.zeros(0, n, 2, 64, dtype=torch.bfloat16, device=DEVICE) for n in (5, 9))
+    out = torch_attention(q, k, k)
+    assert out.shape == (0, 5, 2, 64) and out.dtype == torch.bfloat16 and out.device == q.device
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU-without-interpreter error; a GPU machine has CUDA tensors")
