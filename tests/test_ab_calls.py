@@ -11,6 +11,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parents[1]
 SCRIPT = ROOT / "benchmarks" / "ab_calls.py"
 
@@ -27,6 +29,7 @@ def _run(*args, cwd):
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_ab_calls_times_each_tree(tmp_path):
     a, b = _tree(tmp_path / "a"), _tree(tmp_path / "b")
     out = _run("--tree", f"base={a}", "--tree", f"new={b}", "--seqs", "256", "--rounds", "1",

@@ -62,7 +62,10 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
     """Registers per thread, spill stores and loads (bytes) and static shared memory
     that ptxas reports for ``ptx`` (assembled for the target its ``.target`` line names,
     with the ptxas Triton ships for it)."""
-    target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M).group(1)
+    found = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M)
+    if found is None:
+        raise ValueError("no .target line in the PTX")
+    target = found.group(1)
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     # Triton 3.9 ships the newer ptxas as ptxas-blackwell; its PTX version needs it.
     ptxas = next(p for p in (os.path.join(bin_dir, n) for n in ("ptxas-blackwell", "ptxas")) if os.path.exists(p))
