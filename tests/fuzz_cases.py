@@ -43,11 +43,17 @@ def structure(seed: int) -> Structure:
     hq = hkv * int(rng.choice((1, 2, 4)))
     high = str(rng.choice(HIGH_FORMATS))
     low = str(rng.choice(LOW_FORMATS))
+    # NVFP4's "floor" rule is left out: it puts the block holding a token's amax exactly
+    # on an E4M3 boundary (amax / (6 · amax/2688) = 448), so one ulp of difference in the
+    # operands (smooth-K's summation order, the rotation's rounding: the oracle rotates
+    # in float64) picks 448 or 416 for that block. The quantize tests check the rule bit
+    # for bit on identical inputs; across independent implementations it cannot agree.
+    low_rules = [r for r in FORMATS[low].rules if not (low == "nvfp4" and r == "floor")]
     config = DMAConfig(
         diag_tiles=int(rng.choice((0, 1, 2, ALL_TILES))), sink_tiles=int(rng.integers(0, 3)), high=high, low=low,
         smooth_k=bool(rng.integers(2)), sm_scale=None if rng.integers(2) else float(rng.uniform(0.02, 0.3)),
         pv=str(rng.choice(("input", "input", "fp8"))),
-        high_rule=str(rng.choice(FORMATS[high].rules)), low_rule=str(rng.choice(FORMATS[low].rules)),
+        high_rule=str(rng.choice(FORMATS[high].rules)), low_rule=str(rng.choice(low_rules)),
         rotate=str(rng.choice(("hadamard", "none"))), nvfp4_copy=str(rng.choice(("bf16", "e4m3"))))
     if rng.integers(2):
         q_offset = None
@@ -117,9 +123,13 @@ def oracle_keys(s: Structure, k: np.ndarray, mean: np.ndarray | None) -> np.ndar
 
 def tolerance(s: Structure) -> float:
     """Relative L2 bound against the float64 oracle: the output's rounding to its dtype
-    (and P's, which the oracle rounds as the reference does), and with the FP8 P·V the
-    E4M3 rounding of P against the final rather than the running row max."""
+    (and P's, which the oracle rounds as the reference does); with the rotation, the
+    few elements whose rotated value (float64 in the oracle, a float32 butterfly here)
+    sits at a rounding boundary of the 4/8-bit grid and rounds the other way; with the
+    FP8 P·V the E4M3 rounding of P against the final rather than the running row max."""
     base = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 8e-3}[s.dtype]
+    if s.config.rotate == "hadamard":
+        base = max(base, 2e-3)
     return base + (3e-2 if s.config.pv == "fp8" else 0.0)
 
 
