@@ -36,6 +36,7 @@ import triton
 
 import dma_jax
 from device_name import gpu_tag
+from plotting import pyplot
 from dma_jax import DMAConfig, bridge
 from dma_jax import executor
 from dma_jax.executor import triton_input_attention
@@ -243,13 +244,8 @@ def main() -> None:
 
 
 def _plot(rows, path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)

@@ -6,9 +6,12 @@ It also says whether this JAX offers cuDNN's MXFP8 attention (block-scaled), whi
 speed table would then include.
 
     python benchmarks/b200.py [--seqs 8192,16384,32768] [--head-dims 128,64] [--out DIR]
+    python benchmarks/b200.py --interpreter    # the parity part only, on the CPU
 
 Refuses to run on other GPUs: the point is the sm_100 path. Send the printed summary
 and ``b200_check.json`` (with ``b200.json`` / ``b200.png`` from attention.py) back.
+``--interpreter`` runs the same kernel path's parity tests without a GPU, in Triton's
+interpreter with PTX's scale semantics (``tests/test_attention_kernel.py -k sm100``).
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ def cudnn_mxfp8_available() -> bool:
     return any("mx" in name.lower() or "block_scale" in name.lower() for name in dir(fa))
 
 
-def run_tests() -> dict:
-    """``pytest tests/test_gpu.py``: the counts and the failures' names."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+def run_tests(*args: str) -> dict:
+    """``pytest`` on ``args``: the counts and the failures' names."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
                           cwd=ROOT, capture_output=True, text=True)
     tail = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error)", tail)}
@@ -59,7 +62,13 @@ def main() -> None:
     p.add_argument("--head-dims", default="128,64")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--skip-tests", action="store_true", help="only the speed table")
+    p.add_argument("--interpreter", action="store_true",
+                   help="no GPU: the sm_100 parity tests in Triton's interpreter, then stop")
     args = p.parse_args()
+    if args.interpreter:
+        result = run_tests("tests/test_attention_kernel.py", "-k", "sm100", "-m", "slow or not slow")
+        print(f"sm_100 parity in the interpreter: {result['summary']}")
+        sys.exit(result["returncode"])
     name, cap = capability()
     if cap is None or cap[0] != 10:
         raise SystemExit(f"benchmarks/b200.py checks the sm_100 (B200/GB200) path; this machine's GPU is {name} "
@@ -69,7 +78,7 @@ def main() -> None:
               "cudnn_mxfp8_in_jax": cudnn_mxfp8_available()}
     if not args.skip_tests:
         print("running tests/test_gpu.py ...", flush=True)
-        result["tests"] = run_tests()
+        result["tests"] = run_tests("tests/test_gpu.py")
         print(f"tests: {result['tests']['summary']}")
     print("running benchmarks/attention.py ...", flush=True)
     speed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--seqs", args.seqs,

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from device_name import gpu_tag
+from plotting import pyplot
 from models.decoding import Timings, generate_batch
 from models.generate import device_name
 from models.llama import AttentionSpec, KVCache, load_checkpoint
@@ -161,13 +162,8 @@ def _table(rows) -> None:
 
 
 def _plot(rows, path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     names = list(rows[0]["results"])
     labels = [f"{r['prompt']}x{r['batch']}" for r in rows]

@@ -32,6 +32,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # models/, the repository's example
 
 import jax
@@ -47,6 +48,7 @@ from dma_jax.reference import high_pair_fraction
 from triton_kernels.format_table import FORMATS
 from models.generate import agreement, chat_prompt, generate
 from models.llama import AttentionSpec, load_checkpoint
+from plotting import pyplot
 
 CONFIGS = {
     "exact": None,
@@ -208,13 +210,8 @@ def greedy_agreement(model, tokenizer, prompts: list[str], new_tokens: int, name
 
 
 def plot(rows: list[dict], path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     sizes = sorted({r["window"] for r in rows})
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)

@@ -67,3 +67,17 @@ def test_sm100_static_report(tmp_path):
     for r in attention:
         assert "tcgen05 mxf4nvf4 block16 ue4m3" in r["mma"] and "tcgen05 mxf8f6f4 block32 ue8m0" in r["mma"]
         assert r["spill_stores"] == r["spill_loads"] == 0 and r["registers"] > 0 and r["warps"] == 8
+
+
+@pytest.mark.slow
+def test_b200_check_parity_part_runs_in_the_interpreter():
+    """``b200.py --interpreter``: the sm_100 kernel path's parity tests on the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine the interpreter is not in use")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "b200.py"), "--interpreter"],
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])),
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "sm_100 parity in the interpreter: " in done.stdout and " passed" in done.stdout
