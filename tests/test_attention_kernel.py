@@ -257,7 +257,7 @@ ptx = compile_kernel(plan, plan.launches[-1], {"q": "bfloat16", "k": "bfloat16",
 # instruction descriptor: 1 = UE8M0, and for kind::mxf4nvf4 0 = UE4M3), the scale type.
 constants = dict(re.findall(r"mov[.]b32 \t(%r[0-9]+), (-?[0-9]+);", ptx))
 mmas = re.findall(r"tcgen05[.]mma[.]cta_group::1[.]kind::([a-z0-9]+)[.]block_scale[.]([a-z0-9]+) "
-                  r"\[[^]]*\], (?:\[[^]]*\]|%rd[0-9]+), %rd[0-9]+, (%r[0-9]+),", ptx)
+                  r"\\[[^]]*\\], (?:\\[[^]]*\\]|%rd[0-9]+), %rd[0-9]+, (%r[0-9]+),", ptx)
 print(sorted({(kind, block, "ue8m0" if int(constants[r]) >> 23 & 1 else "ue4m3") for kind, block, r in mmas}))
 print(sorted(set(re.findall(r"wgmma[.]mma_async[.]sync[.]aligned[.]m64n[0-9]+k[0-9]+[.]f32[.]([a-z0-9]+)[.]", ptx))))
 usage = ptxas_usage(ptx)

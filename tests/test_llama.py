@@ -290,3 +290,14 @@ def test_cli_help_and_one_line_errors(capsys, tmp_path):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_cli_answers_a_batch(capsys):
+    """The README's --batch command: both prompts answered in one batch, one summary."""
+    main(["--chat", "--batch", "--prompt", "What is the capital of France?", "--prompt", "Who wrote Hamlet?",
+          "--max-new-tokens", "12", "--attention", "exact"])
+    out = capsys.readouterr().out
+    assert "> What is the capital of France?" in out and "> Who wrote Hamlet?" in out
+    assert "Paris" in out and "Shakespeare" in out
+    assert out.count("new tokens;") == 1 and "[2 prompts, " in out
