@@ -137,7 +137,8 @@ def test_fp8_copies_equal_formats(high, low):
             np.testing.assert_array_equal(ts.cpu().numpy(), np.asarray(scale), err_msg=fmt)
 
 
-@pytest.mark.parametrize("kind,tile_t,fold", [("smooth", 128, 1.0), ("nan", 128, 1.0), ("smooth", 32, 1.0),
+@pytest.mark.parametrize("kind,tile_t,fold", [("smooth", 128, 1.0), pytest.param("nan", 128, 1.0, marks=pytest.mark.slow),
+                                              pytest.param("smooth", 32, 1.0, marks=pytest.mark.slow),
                                               ("nan", 64, -0.37), ("tiny", 128, 0.3)])
 @pytest.mark.parametrize("high,low", [("mxfp8_e4m3", "nvfp4"), ("mxfp8_e5m2", "mxfp4")])
 def test_per_tile_fp8_copies_equal_formats(kind, tile_t, fold, high, low):
@@ -480,7 +481,7 @@ def test_single_token():
 
 
 def test_channel_mean_against_float64():
-    x = inputs("outliers", (2, 300, 3, 64), seed=5)
+    x = inputs("outliers", (1, 300, 2, 64), seed=5)
     xt = torch.from_numpy(x).to(torch.bfloat16).to(DEVICE)
     want = xt.double().mean(dim=1).cpu().numpy()
     # Several partial sums, a ragged last chunk, one chunk, the default, and 19 partials
