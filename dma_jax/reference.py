@@ -171,8 +171,10 @@ def dma_reference(
     config: DMAConfig,
     q_offset: int,
     operands: str = "exact",
+    k_mean: jax.Array | None = None,
 ) -> jax.Array:
     """DMA on validated inputs with a resolved ``q_offset`` (the primitive's body).
+    ``k_mean [B, 1, HKV, D]``: smooth-K's mean, if not that of ``k``.
 
     ``operands="fp8"`` computes Q·Kᵀ from the copies that the sm_90 kernel reads:
     E4M3 (Q ``formats.fp8_per_token``, K ``formats.fp8_per_tile``) for MX tiles and,
@@ -183,7 +185,7 @@ def dma_reference(
     q_len, kv_len, dim = q.shape[1], k.shape[1], q.shape[3]
     k32 = k.astype(jnp.float32)
     if config.smooth_k:
-        k32 = k32 - smoothing_mean(k32)
+        k32 = k32 - (smoothing_mean(k32) if k_mean is None else k_mean.astype(jnp.float32))
     fold = np.float32(config.softmax_scale(dim) * math.log2(math.e))
     q32 = q.astype(jnp.float32)
     if config.rotate == "hadamard":
@@ -231,6 +233,7 @@ def reference_attention(
     config: DMAConfig | None = None,
     q_offset: int | None = None,
     operands: str = "exact",
+    k_mean: jax.Array | None = None,
 ) -> jax.Array:
     """DMA attention in plain jnp: the numerical oracle of every backend.
 
@@ -244,18 +247,30 @@ def reference_attention(
         (the copies that Hopper's tensor cores read: E4M3 with Q's scale per token and
         K's per 128-key tile, exact for MX formats except E4M3 subnormals; NVFP4 tiles
         exact in bf16, or with ``config.nvfp4_copy="e4m3"`` E4M3 within 2^-4 per element).
+      k_mean: smooth-K's per-channel mean ``[batch, kv_heads, head_dim]`` to subtract instead
+        of the mean of ``k`` (e.g. the mean fixed when a prompt was prefilled, so that the
+        cached keys' codes never change as the sequence grows). Any per-channel constant
+        leaves the softmax unchanged in exact arithmetic; only the quantization sees it.
 
     Returns:
       ``[batch, q_len, q_heads, head_dim]`` in the input dtype.
     """
     check_attention_inputs(q, k, v, causal=causal, config=config, q_offset=q_offset)
+    config = config or DMAConfig()
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    mean = None
+    if k_mean is not None:
+        expected = (k.shape[0], k.shape[2], k.shape[3])
+        if not config.smooth_k:
+            raise ValueError("k_mean is smooth-K's mean: it needs DMAConfig(smooth_k=True)")
+        if tuple(getattr(k_mean, "shape", ())) != expected:
+            raise ValueError(f"k_mean must have shape [batch, kv_heads, head_dim] = {expected}; "
+                             f"got {tuple(getattr(k_mean, 'shape', ()))}")
+        mean = jnp.asarray(k_mean, jnp.float32)[:, None]
     if q.shape[0] == 0:
         return jnp.zeros(q.shape, q.dtype)
     offset = resolve_q_offset(q.shape[1], k.shape[1], q_offset)
-    return dma_reference(
-        q, k, v, causal=causal, config=config or DMAConfig(), q_offset=offset, operands=operands
-    )
+    return dma_reference(q, k, v, causal=causal, config=config, q_offset=offset, operands=operands, k_mean=mean)
 
 
 def exact_attention(

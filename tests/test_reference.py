@@ -8,7 +8,7 @@ import pytest
 
 from dma_jax import DMAConfig, exact_attention, reference_attention
 from dma_jax.config import ALL_TILES
-from dma_jax.reference import dma_reference, high_pair_fraction
+from dma_jax.reference import dma_reference, high_pair_fraction, smoothing_mean
 
 import oracle
 
@@ -183,3 +183,25 @@ def _high_pairs_by_intervals(seq, causal, diag, sink, tile=128):
 def test_high_pair_fraction_counts_the_high_pairs(seq, diag, sink, causal):
     got = high_pair_fraction(DMAConfig(diag_tiles=diag, sink_tiles=sink), seq, causal=causal)
     assert got == pytest.approx(_high_pairs_by_intervals(seq, causal, diag, sink), rel=1e-12)
+
+
+def test_a_fixed_smooth_k_mean():
+    """``k_mean`` replaces the mean of k (as a decode over a cache fixed at prefill would):
+    k's own mean gives the same bits as the default, another mean gives DMA on k minus
+    that mean (the float64 oracle without smoothing), and bad means are refused."""
+    q, k, v = make_qkv(21, 2, 60, 300, 4, 2, 64)
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    cfg = DMAConfig()
+    own = np.asarray(smoothing_mean(k.astype(jnp.float32))[:, 0])
+    np.testing.assert_array_equal(np.asarray(reference_attention(q, k, v, config=cfg, k_mean=own)),
+                                  np.asarray(reference_attention(q, k, v, config=cfg)))
+    prefix = np.asarray(k[:, :128].astype(jnp.float32).mean(axis=1))  # the mean of a 128-token prompt
+    got = np.asarray(reference_attention(q, k, v, config=cfg, k_mean=prefix), np.float64)
+    shifted = (np.asarray(k, np.float32) - prefix[:, None]).astype(np.float32)
+    want = oracle.dma_attention(np.asarray(q), shifted, np.asarray(v), smooth_k=False)
+    assert oracle.rel_l2(got, want) < 2e-3
+    with pytest.raises(ValueError, match=r"k_mean must have shape \[batch, kv_heads, head_dim\] = \(2, 2, 64\); "
+                                         r"got \(2, 64\)"):
+        reference_attention(q, k, v, k_mean=prefix[0])
+    with pytest.raises(ValueError, match=r"needs DMAConfig\(smooth_k=True\)"):
+        reference_attention(q, k, v, config=DMAConfig(smooth_k=False), k_mean=prefix)
