@@ -206,7 +206,7 @@ def sink_dominated(seed, lq, lk, hq, hkv, d):
     return q.half(), k.half(), v
 
 
-@pytest.mark.parametrize("causal,low", [(True, "nvfp4"), (False, "mxfp4")])
+@pytest.mark.parametrize("causal,low", [(True, "nvfp4"), pytest.param(False, "mxfp4", marks=SLOW)])
 def test_fp8_pv_matches_reference(causal, low):
     q, k, v = sink_dominated(11, 300, 300, 4, 2, 64)
     cfg = DMAConfig(low=low, pv="fp8")
@@ -234,7 +234,7 @@ def test_launch_shapes(block_m, block_n):
     q, k, v = make(13, 1, 300, 300, 2, 1, 64, "fp16")
     cfg = DMAConfig(diag_tiles=2)
     launch = LaunchConfig(block_m, block_n, 4, 2)
-    for causal, offset in ((True, 0), (False, 0), (False, -70)):
+    for causal, offset in ((True, 0), (False, -70)):
         out, ref = kernel_vs_reference(q, k, v, causal=causal, config=cfg, q_offset=offset, launch=launch)
         assert oracle.rel_l2(out, ref) <= 2e-3, (causal, offset)
 
