@@ -22,7 +22,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile, do not interpret
 import triton
 
 from dma_jax import DMAConfig
-from triton_kernels.aot import compile_kernel, ptxas_usage
+from triton_kernels.aot import block_scaled_mmas, compile_kernel, ptxas_usage, wgmma_kinds
 from triton_kernels.plan import Buffer, attention_plan
 from triton_kernels.target import Target
 
@@ -38,19 +38,11 @@ SEQ, Q_HEADS, KV_HEADS = 4096, 32, 8
 
 
 def mma_kinds(ptx: str) -> list[str]:
-    """The MMAs in ``ptx``: block-scaled tcgen05 as kind/block/scale type (bit 23 of
-    the instruction descriptor, an immediate moved into the register the MMA reads:
-    1 = UE8M0, for kind::mxf4nvf4 0 = UE4M3), other tcgen05 and wgmma/mma.sync kinds."""
-    constants = dict(re.findall(r"mov[.]b32 \t(%r[0-9]+), (-?[0-9]+);", ptx))
-    found = set()
-    for kind, block, reg in re.findall(r"tcgen05[.]mma[.]cta_group::1[.]kind::([a-z0-9]+)[.]block_scale[.]"
-                                       r"([a-z0-9]+) \[[^]]*\], (?:\[[^]]*\]|%rd[0-9]+), %rd[0-9]+, (%r[0-9]+),",
-                                       ptx):
-        scale = "?" if reg not in constants else "ue8m0" if int(constants[reg]) >> 23 & 1 else "ue4m3"
-        found.add(f"tcgen05 {kind} {block} {scale}")
+    """The MMAs in ``ptx``: block-scaled tcgen05 as kind/block/scale type
+    (``aot.block_scaled_mmas``), other tcgen05 kinds, wgmma and mma.sync kinds."""
+    found = {f"tcgen05 {kind} {block} {scale}" for kind, block, scale in block_scaled_mmas(ptx)}
     found.update(f"tcgen05 {k}" for k in re.findall(r"tcgen05[.]mma[.]cta_group::1[.]kind::(f16|tf32|f8f6f4) ", ptx))
-    found.update(f"wgmma {k}" for k in re.findall(r"wgmma[.]mma_async[.]sync[.]aligned[.]m64n\d+k\d+[.]f32[.](\w+)[.]",
-                                                  ptx))
+    found.update(f"wgmma {k}" for k in wgmma_kinds(ptx))
     found.update(f"mma.sync {k}" for k in re.findall(r"mma[.]sync[.]aligned[.]m16n8k\d+[.]\S*?(block_scale\S*|row[.]col\S*)",
                                                      ptx))
     return sorted(found)

@@ -240,8 +240,8 @@ def test_launch_shapes(block_m, block_n):
 
 
 COMPILE_PTX = """
-import re, sys
-from triton_kernels.aot import compile_kernel, ptxas_usage
+import sys
+from triton_kernels.aot import block_scaled_mmas, compile_kernel, ptxas_usage, wgmma_kinds
 from triton_kernels.plan import Buffer, attention_plan
 from triton_kernels.target import Target
 
@@ -252,14 +252,8 @@ plan = attention_plan(q, kv, Buffer("v", kv.shape, "bfloat16"), Target((arch // 
                       sm_scale=0.1, pv="fp8" if pv_fp8 else "input", nvfp4_copy=copy, native=True if native else None,
                       kernel="triton")
 ptx = compile_kernel(plan, plan.launches[-1], {"q": "bfloat16", "k": "bfloat16", "v": "bfloat16"}, arch).asm["ptx"]
-# Block-scaled tcgen05 MMAs: kind, scale block and, from bit 23 of the instruction
-# descriptor (an immediate moved into the register the MMA reads; PTX ISA, tcgen05
-# instruction descriptor: 1 = UE8M0, and for kind::mxf4nvf4 0 = UE4M3), the scale type.
-constants = dict(re.findall(r"mov[.]b32 \t(%r[0-9]+), (-?[0-9]+);", ptx))
-mmas = re.findall(r"tcgen05[.]mma[.]cta_group::1[.]kind::([a-z0-9]+)[.]block_scale[.]([a-z0-9]+) "
-                  r"\\[[^]]*\\], (?:\\[[^]]*\\]|%rd[0-9]+), %rd[0-9]+, (%r[0-9]+),", ptx)
-print(sorted({(kind, block, "ue8m0" if int(constants[r]) >> 23 & 1 else "ue4m3") for kind, block, r in mmas}))
-print(sorted(set(re.findall(r"wgmma[.]mma_async[.]sync[.]aligned[.]m64n[0-9]+k[0-9]+[.]f32[.]([a-z0-9]+)[.]", ptx))))
+print(block_scaled_mmas(ptx))  # (kind, scale block, scale type from the instruction descriptor)
+print(wgmma_kinds(ptx))
 usage = ptxas_usage(ptx)
 print(usage["spill_stores"] + usage["spill_loads"])
 """

@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 
 from .plan import Launch, Plan, Scalar
 
-__all__ = ["compile_kernel", "compile_launch", "ptxas_usage", "signature"]
+__all__ = ["block_scaled_mmas", "compile_kernel", "compile_launch", "ptxas_usage", "signature", "wgmma_kinds"]
 
 _POINTER_TYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "uint8": "*u8", "int32": "*i32"}
 
@@ -56,6 +56,27 @@ def compile_launch(plan: Plan, launch: Launch, inputs: dict[str, str], arch: int
                    specialised: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``asm`` dict (``ptx``, ``cubin``, ...) of ``compile_kernel``."""
     return compile_kernel(plan, launch, inputs, arch, specialised).asm
+
+
+def block_scaled_mmas(ptx: str) -> list[tuple[str, str, str]]:
+    """The block-scaled ``tcgen05.mma`` instructions in ``ptx`` as (kind, scale block,
+    scale type), sorted and without repeats. The scale type is bit 23 of the instruction
+    descriptor, an immediate moved into the register the MMA reads (PTX ISA, tcgen05
+    instruction descriptor: 1 = UE8M0, and for kind::mxf4nvf4 0 = UE4M3); "?" where the
+    descriptor is not such an immediate."""
+    constants = dict(re.findall(r"mov[.]b32 \t(%r[0-9]+), (-?[0-9]+);", ptx))
+    found = set()
+    for kind, block, reg in re.findall(r"tcgen05[.]mma[.]cta_group::1[.]kind::([a-z0-9]+)[.]block_scale[.]"
+                                       r"([a-z0-9]+) \[[^]]*\], (?:\[[^]]*\]|%rd[0-9]+), %rd[0-9]+, (%r[0-9]+),",
+                                       ptx):
+        scale = "?" if reg not in constants else "ue8m0" if int(constants[reg]) >> 23 & 1 else "ue4m3"
+        found.add((kind, block, scale))
+    return sorted(found)
+
+
+def wgmma_kinds(ptx: str) -> list[str]:
+    """The input types of the ``wgmma`` instructions in ``ptx`` (sm_90), sorted."""
+    return sorted(set(re.findall(r"wgmma[.]mma_async[.]sync[.]aligned[.]m64n[0-9]+k[0-9]+[.]f32[.]([a-z0-9]+)[.]", ptx)))
 
 
 def ptxas_usage(ptx: str) -> dict[str, int]:
