@@ -37,6 +37,15 @@ def capability() -> tuple[str, tuple[int, int] | None]:
     return torch.cuda.get_device_name(), torch.cuda.get_device_capability()
 
 
+def refusal(name: str, cap: tuple[int, int] | None) -> str | None:
+    """Why this script does not run on a GPU ``name`` of capability ``cap`` (None: no
+    GPU), or None on sm_100."""
+    if cap is not None and cap[0] == 10:
+        return None
+    return (f"benchmarks/b200.py checks the sm_100 (B200/GB200) path; this machine's GPU is {name} "
+            f"(compute capability {cap}). On Hopper run tests/test_gpu.py and benchmarks/attention.py.")
+
+
 def cudnn_mxfp8_available() -> bool:
     """Whether JAX's cuDNN attention bindings mention block-scaled (MXFP8) inputs."""
     try:
@@ -70,9 +79,9 @@ def main() -> None:
         print(f"sm_100 parity in the interpreter: {result['summary']}")
         sys.exit(result["returncode"])
     name, cap = capability()
-    if cap is None or cap[0] != 10:
-        raise SystemExit(f"benchmarks/b200.py checks the sm_100 (B200/GB200) path; this machine's GPU is {name} "
-                         f"(compute capability {cap}). On Hopper run tests/test_gpu.py and benchmarks/attention.py.")
+    why = refusal(name, cap)
+    if why is not None:
+        raise SystemExit(why)
     os.makedirs(args.out, exist_ok=True)
     result = {"date": datetime.date.today().isoformat(), "device": name, "capability": list(cap),
               "cudnn_mxfp8_in_jax": cudnn_mxfp8_available()}

@@ -80,7 +80,8 @@ def check_attention_inputs(
         raise ValueError(f"q_len and kv_len must be >= 1; got {q_len} and {kv_len}")
     if batch < 0:
         raise ValueError(f"batch must be >= 0; got {batch}")
-    for name, value in (("causal", causal), ("config", config), ("q_offset", q_offset)):
+    # (A DMAConfig is a static pytree node: jax.jit passes it through untraced.)
+    for name, value in (("causal", causal), ("q_offset", q_offset)):
         if _is_traced(value):
             raise TypeError(
                 f"{name} must be a static Python value, but it is traced ({type(value).__name__}): "

@@ -105,11 +105,12 @@ def _jitted(graphdef, spec: AttentionSpec, sampling: Sampling):
 _COMPILED: dict[Any, Any] = {}
 
 
-def _compiled(fn, name: str, graphdef, spec, sampling, args, timings: Timings):
-    """``fn`` compiled for the shapes of ``args``, once per process; the time of a new
-    compilation goes to ``timings.compile_s``."""
+def _compiled(fn, args, timings: Timings):
+    """``fn`` (one of ``_jitted``'s, so one per model graph, spec and sampling) compiled
+    for the shapes of ``args``, once per process; the time of a new compilation goes to
+    ``timings.compile_s``."""
     shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
-    key = (name, graphdef, spec, sampling, jax.tree.structure(args), shapes)
+    key = (fn, jax.tree.structure(args), shapes)
     if key not in _COMPILED:
         start = time.perf_counter()
         _COMPILED[key] = fn.lower(*args).compile()
@@ -152,9 +153,8 @@ def generate_batch(
     key = jax.random.PRNGKey(sampling.seed)
     args = (state, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
     # Both steps compiled (or found compiled) before the clock of the prefill starts.
-    prefill_fn = _compiled(prefill, "prefill", graphdef, spec, sampling, args, timings)
-    decode_fn = _compiled(decode, "decode", graphdef, spec, sampling,
-                          (state, jnp.zeros(len(prompts), jnp.int32), cache, key), timings)
+    prefill_fn = _compiled(prefill, args, timings)
+    decode_fn = _compiled(decode, (state, jnp.zeros(len(prompts), jnp.int32), cache, key), timings)
     start = time.perf_counter()
     token, cache, key = prefill_fn(*args)
     done = np.zeros(len(prompts), bool)
