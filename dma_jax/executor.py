@@ -19,8 +19,8 @@ from triton_kernels.target import Target
 
 from .config import DMAConfig
 
-__all__ = ["attention_plan", "gpu_target", "import_jax_triton", "input_attention_plan", "run", "triton_attention",
-           "triton_input_attention"]
+__all__ = ["attention_plan", "decode_plan", "gpu_target", "import_jax_triton", "input_attention_plan", "run",
+           "triton_attention", "triton_decode", "triton_input_attention"]
 
 
 def import_jax_triton():
@@ -109,3 +109,21 @@ def triton_input_attention(q, k, v, *, causal: bool, sm_scale: float, q_offset: 
     and ``q_offset`` as ``dma_jax.attention``; no smoothing, no quantization."""
     plan = input_attention_plan(q, k, v, causal=causal, sm_scale=sm_scale, q_offset=q_offset)
     return run(plan.launches, {"q": q, "k": k, "v": v})[plan.result]
+
+
+def decode_plan(q, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring_len: int,
+                target: Target | None = None) -> Plan:
+    """The launches of ``dma_decode`` for ``q`` and the cache's arrays
+    (``plan.CACHE_FIELDS`` order) on JAX's GPU (or ``target``)."""
+    options = config.kernel_options(q.shape[3])
+    buffers = {f: buffer(f, x) for f, x in zip(plans.CACHE_FIELDS, cache)}
+    return plans.decode_plan(buffer("q", q), buffers, target or gpu_target(), sink_len=sink_len, ring_len=ring_len,
+                             v_fp8=v_fp8, **{k: options[k] for k in ("diag_tiles", "sink_tiles", "high", "low",
+                                                                     "sm_scale", "high_rule", "low_rule",
+                                                                     "rotate")})
+
+
+def triton_decode(q, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring_len: int):
+    """DMA decode through the Triton kernels; same contract as ``decode.decode_reference``."""
+    plan = decode_plan(q, *cache, config=config, v_fp8=v_fp8, sink_len=sink_len, ring_len=ring_len)
+    return run(plan.launches, {"q": q, **dict(zip(plans.CACHE_FIELDS, cache))})[plan.result]

@@ -31,6 +31,7 @@ Conventions beyond the OCP text, shared with the kernels:
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import NamedTuple, cast
 
@@ -44,7 +45,7 @@ from triton_kernels.geometry import TILE
 from .validation import dtype_name, is_array
 
 __all__ = ["FORMATS", "Format", "Quantized", "get_format", "quantize", "dequantize", "fp8_per_token", "fp8_per_tile",
-           "fp8_per_channel"]
+           "fp8_per_channel", "quantize_token_e4m3", "dequantize_token_e4m3"]
 
 _MIN_NORMAL_F32 = np.float32(2.0**-126)
 
@@ -493,3 +494,24 @@ def fp8_per_channel(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     values = jnp.where(finite, round_to_element(x * _pow2(-t), E4M3), 0.0)
     scale = jnp.where(finite, _pow2(t), jnp.nan)
     return values, jnp.squeeze(scale, axis)
+
+
+def _token_format(dim: int) -> Format:
+    """E4M3 elements in one MX block per token of ``dim`` elements."""
+    return dataclasses.replace(E4M3, name="e4m3_per_token", block=dim)
+
+
+def quantize_token_e4m3(x: jax.Array) -> Quantized:
+    """E4M3 elements with one E8M0 scale per token (the whole last axis one MX block,
+    scale rule "up": nothing saturates): the FP8 values of a low-bit KV cache.
+    Returns ``Quantized(codes uint8 [..., D], scales uint8 [...], None)``; a token with a
+    NaN or Inf gets the NaN scale 0xFF and zero codes."""
+    x = flush_subnormals(jnp.asarray(x).astype(jnp.float32))
+    codes, scales = _quantize_mx(x, _token_format(x.shape[-1]), "up")
+    return Quantized(codes, scales[..., 0], None)
+
+
+def dequantize_token_e4m3(q: Quantized) -> jax.Array:
+    """Float32 values of :func:`quantize_token_e4m3`'s output, ``[..., D]``."""
+    f = _token_format(q.codes.shape[-1])
+    return _dequantize(Quantized(q.codes, q.scales[..., None], None), f)

@@ -5,8 +5,8 @@ torch): the jnp reference, the launch plan and the tests read it.
 
 from __future__ import annotations
 
-__all__ = ["TILE", "all_high", "band_covering_all", "check_extent", "padded_length", "pair_is_high",
-           "query_blocks"]
+__all__ = ["TILE", "all_high", "band_covering_all", "cache_slot", "cache_slots", "check_extent", "padded_length",
+           "pair_is_high", "query_blocks"]
 
 # Tokens per tile of the high/low classification. The kernels' query and key blocks
 # divide it, so a block pair is entirely high or entirely low precision; K's FP8 copy
@@ -58,3 +58,22 @@ def padded_length(length: int) -> int:
     """The row length of V's transposed FP8 copy: a multiple of 16 bytes, so that every
     row starts 16-byte aligned and loads vectorize."""
     return -(-length // 16) * 16
+
+
+def cache_slots(capacity: int, sink_tiles: int, diag_tiles: int) -> tuple[int, int]:
+    """(sink_len, ring_len) of a decode cache's high-precision key copies for
+    ``capacity`` positions: the first ``sink_len`` positions keep their slot, every later
+    position ``p`` goes to slot ``sink_len + p % ring_len``. The ring holds
+    ``diag_tiles + 1`` tiles: the band of any query row, also while up to ``TILE`` new
+    rows cross into the next tile. When sinks and ring would cover the capacity, every
+    position keeps its own slot: (0, capacity)."""
+    sink, ring = sink_tiles * TILE, (diag_tiles + 1) * TILE
+    if sink + ring >= capacity:
+        return 0, capacity
+    return sink, ring
+
+
+def cache_slot(pos, sink_len: int, ring_len: int):
+    """The slot of absolute position ``pos`` among a decode cache's high copies
+    (``cache_slots``); operators only, for ints, numpy and jnp arrays."""
+    return (pos < sink_len) * pos + (pos >= sink_len) * (sink_len + pos % ring_len)

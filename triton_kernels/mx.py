@@ -273,3 +273,17 @@ def round_to_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
     return tl.where(x == x, rounded.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def element_value(code, EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr):
+    """The float32 value of an element code (int32, sign bit at EXP_BITS + MAN_BITS),
+    decoded in integer and exact float32 arithmetic: E2M1, E4M3 and E5M2 alike (no
+    NaN or Inf codes; the formats saturate)."""
+    bias: tl.constexpr = (1 << (EXP_BITS - 1)) - 1
+    mag = code & ((1 << (EXP_BITS + MAN_BITS)) - 1)
+    exp = mag >> MAN_BITS
+    man = (mag & ((1 << MAN_BITS) - 1)).to(tl.float32)
+    value = tl.where(exp == 0, man * pow2(tl.zeros_like(exp) + (1 - bias - MAN_BITS)),
+                     (man + (1 << MAN_BITS)) * pow2(exp - (bias + MAN_BITS)))
+    return tl.where((code >> (EXP_BITS + MAN_BITS)) != 0, -value, value)

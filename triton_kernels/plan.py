@@ -20,13 +20,15 @@ import numpy as np
 
 from . import attention as attn
 from . import attention_sm90 as attn90
+from . import decode as dec
 from . import quantize as quant
 from . import tuning
 from .format_table import FORMATS, check_rule
 from .geometry import TILE, all_high, band_covering_all, check_extent, padded_length, query_blocks
 from .target import Target, resolve_native, uses_sm90_kernel
 
-__all__ = ["Buffer", "Launch", "OPERAND_FIELDS", "Plan", "Scalar", "attention_plan", "channel_mean_plan",
+__all__ = ["Buffer", "CACHE_FIELDS", "Launch", "OPERAND_FIELDS", "Plan", "Scalar", "attention_plan",
+           "channel_mean_plan", "decode_plan",
            "fp8_transpose_plan", "input_attention_plan", "quantize_plan", "softmax_fold"]
 
 # The nine outputs of a dual quantization, as the attention kernels take them per operand.
@@ -364,3 +366,59 @@ def input_attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, cau
         q, v, (q.name,) * 9, (k.name,) * 9, (v.name, v.name), causal=causal, q_offset=q_offset,
         diag=band_covering_all(q_len, kv_len, q_offset), sink=0, qk_scale=softmax_fold(sm_scale), launch=launch,
         high="input", low="nvfp4", native=(False, False), has_lo=False, pv_fp8=False, target=target),), "out")
+
+
+# -- decode ---------------------------------------------------------------------------
+
+# The arrays of a low-bit KV cache (``dma_jax.kv_cache.LowBitKVCache``), as the decode
+# kernel takes them: the low copy of every key (codes, block scales, NVFP4's per-token
+# scale), the high copy of the keys in the sink and band slots, V (input dtype, or
+# E4M3 codes with one E8M0 scale per token) and each row's filled length.
+CACHE_FIELDS = ("lo_codes", "lo_scales", "lo_token", "hi_codes", "hi_scales", "v", "v_scale", "length")
+
+
+def decode_plan(q: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len: int, ring_len: int,
+                v_fp8: bool, diag_tiles: int, sink_tiles: int, high: str, low: str, sm_scale: float,
+                high_rule: str | None = None, low_rule: str | None = None, rotate: bool = False) -> Plan:
+    """A decode step: the ``n_q`` new query rows ``q [B, n_q, HQ, D]`` (whose keys the
+    cache already holds: row r of batch row b is at position ``length[b] - n_q + r``)
+    against ``cache`` (``CACHE_FIELDS``, ``[B, S, HKV, ...]``). Q's dual quantization
+    (codes only), the split decode kernel, the combine. ``sink_len``, ``ring_len``: the
+    cache's high slots (``geometry.cache_slots``)."""
+    b, n_q, hq, d = q.shape
+    capacity, kv_heads = cache["lo_codes"].shape[1], cache["lo_codes"].shape[2]
+    if n_q < 1 or n_q > TILE:
+        raise ValueError(f"a decode step takes 1 to {TILE} new query rows; got {n_q}")
+    check_extent(capacity, kv_heads, d)
+    tiles = -(-capacity // TILE)
+    # Bounded so that tile arithmetic stays in int32 (a huge band or sink is "all").
+    diag, sink = min(diag_tiles, tiles + 1), min(sink_tiles, tiles)
+    has_lo = not all_high(1, capacity, capacity - 1, diag)
+    has_hi = diag > 0 or sink > 0
+    fold = softmax_fold(sm_scale) / (d if rotate else 1)
+    quantize = _quantize(q, "q", target, fold=fold, high=high, low=low, codes=True, fp8=False, write_lo=has_lo,
+                         high_rule=high_rule, low_rule=low_rule, rotate=rotate)
+    group = hq // kv_heads
+    block_m = max(16, 1 << (group * n_q - 1).bit_length())
+    split_len = tuning.decode_split_len(b, kv_heads, capacity)
+    n_split = -(-capacity // split_len)
+    hi, lo = FORMATS[high], FORMATS[low]
+    partial = (b, kv_heads, n_split, block_m)
+    attend = Launch(
+        dec._dma_decode_kernel, (n_split, kv_heads, b),
+        (*_operands("q")[:5], *(cache[f].name for f in CACHE_FIELDS), _i32(n_q), _i32(capacity),
+         _i32(cache["hi_codes"].shape[1]), _i32(hq), _i32(kv_heads), _i32(sink_len), _i32(ring_len), _i32(diag),
+         _i32(sink), _i32(split_len)),
+        (Buffer("acc", (*partial, d), "float32"), Buffer("row_max", partial, "float32"),
+         Buffer("row_sum", partial, "float32")),
+        _meta(D=d, GROUP=group, BLOCK_M=block_m, BLOCK_N=tuning.DECODE_BLOCK_N, HI_E=hi.exp_bits, HI_M=hi.man_bits,
+              LO_M=lo.man_bits, LO_BLOCK=lo.block, LO_NV=low == "nvfp4", HAS_LO=has_lo, HAS_HI=has_hi,
+              V_FP8=v_fp8, P_DTYPE=q.dtype,
+              # fp32 P·V for fp32 inputs, and for fp16 with E4M3 V (not always an fp16 value).
+              PV_F32=q.dtype == "float32" or (v_fp8 and q.dtype != "bfloat16") or target.interpret,
+              DOT_F32=target.interpret, FIX_BF16=target.interpret),
+        num_warps=tuning.DECODE_WARPS, num_stages=tuning.DECODE_STAGES)
+    combine = Launch(dec._decode_combine_kernel, (kv_heads, b, 1),
+                     ("acc", "row_max", "row_sum", _i32(n_q), _i32(hq), _i32(kv_heads), _i32(n_split)),
+                     (Buffer("out", q.shape, q.dtype),), _meta(D=d, GROUP=group, BLOCK_M=block_m))
+    return Plan((quantize, attend, combine), "out")

@@ -15,7 +15,7 @@ from .plan import Buffer, Launch, Plan, Scalar
 from .target import Target, interpreting
 from .tuning import LaunchConfig
 
-__all__ = ["Operand", "attention_plan", "channel_mean", "dma_attention", "dual_quantize", "fp8_transpose", "input_attention", "run",
+__all__ = ["Operand", "attention_plan", "channel_mean", "dma_attention", "dma_decode", "dual_quantize", "fp8_transpose", "input_attention", "run",
            "target_of"]
 
 
@@ -148,3 +148,15 @@ def input_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                                       causal=causal, q_offset=q_offset, sm_scale=sm_scale, launch=launch)
     return execute(plan, q=q, k=k, v=v)
 
+
+
+def dma_decode(q: torch.Tensor, cache: dict[str, torch.Tensor], *, sink_len: int, ring_len: int, v_fp8: bool,
+               **options: Any) -> torch.Tensor:
+    """A decode step of ``q [B, n, HQ, D]`` over a low-bit KV cache's tensors
+    (``plan.CACHE_FIELDS``): ``plan.decode_plan``'s launches. ``options``: its keywords
+    (``diag_tiles``, ``sink_tiles``, ``high``, ``low``, ``sm_scale``, ...)."""
+    q = _contiguous("q", q)
+    cache = {f: _contiguous(f, cache[f]) for f in plans.CACHE_FIELDS}
+    plan = plans.decode_plan(buffer("q", q), {f: buffer(f, t) for f, t in cache.items()}, target_of(q.device),
+                             sink_len=sink_len, ring_len=ring_len, v_fp8=v_fp8, **options)
+    return execute(plan, q=q, **cache)

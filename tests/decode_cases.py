@@ -1,0 +1,99 @@
+"""Decode cases shared by the CPU tests and the GPU tests: a low-bit KV cache filled
+from a prompt (rows of different lengths) and one appended step, and its oracle,
+``reference_attention`` on each row's full sequence with the cache's smooth-K mean."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dma_jax import DMAConfig, LowBitKVCache, reference_attention
+from dma_jax.formats import dequantize_token_e4m3, quantize_token_e4m3
+
+# (batch, prompt lengths, new rows, q_heads, kv_heads, head_dim, capacity, config, v_format, dtype):
+# one row per run of the kernel (sink, far, the mixed tile, band), rows crossing a
+# tile, a ring that has wrapped, MXFP4, FP8 V, all-high / all-low, no smoothing.
+CASES = [
+    (1, (300,), 1, 4, 1, 64, 512, DMAConfig(), "input", jnp.bfloat16),
+    (2, (700, 255), 3, 4, 2, 128, 1024, DMAConfig(diag_tiles=2), "input", jnp.bfloat16),
+    (2, (500, 129), 2, 4, 2, 64, 1024, DMAConfig(low="mxfp4"), "fp8", jnp.bfloat16),
+    (1, (1000,), 1, 2, 1, 64, 1100, DMAConfig.all_low(), "input", jnp.float16),
+    (1, (1000,), 1, 2, 1, 64, 1100, DMAConfig.all_high(), "fp8", jnp.float16),
+    (1, (900,), 2, 2, 1, 64, 1000, DMAConfig(smooth_k=False, rotate="none"), "fp8", jnp.float32),
+]
+
+
+def sequences(seed, batch, total, q_heads, kv_heads, head_dim, dtype, steps=1, new=1):
+    """Keys and values of ``total`` positions and the queries of ``steps`` decode steps
+    of ``new`` rows each: K with a per-channel offset (smooth-K's case) and outliers."""
+    kq, kk, kv, ko = jax.random.split(jax.random.PRNGKey(seed), 4)
+    k = jax.random.normal(kk, (batch, total, kv_heads, head_dim)) + 2.0 * jax.random.normal(ko, (1, 1, kv_heads,
+                                                                                                  head_dim))
+    k = k.at[..., :2].multiply(4.0)
+    v = jax.random.normal(kv, (batch, total, kv_heads, head_dim))
+    q = jax.random.normal(kq, (steps, batch, new, q_heads, head_dim)).at[..., :2].multiply(5.0)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def build(case, seed=0):
+    """(q, cache after the prompt and one appended step, k, v): row b's prompt is its
+    first ``lengths[b]`` positions, its step the next ``new``."""
+    batch, lengths, new, hq, hkv, d, capacity, config, v_format, dtype = case
+    total = max(lengths) + new
+    q, k, v = sequences(seed, batch, total, hq, hkv, d, dtype, new=new)
+    cache = LowBitKVCache.empty(batch, capacity, hkv, d, dtype=dtype, config=config, v_format=v_format)
+    cache = cache.write(k[:, :max(lengths)], v[:, :max(lengths)], jnp.asarray(lengths))
+    idx = jnp.asarray(lengths)[:, None] + jnp.arange(new)[None, :]
+    rows = jnp.arange(batch)[:, None]
+    cache = cache.append(k[rows, idx], v[rows, idx])
+    return q[0], cache, k, v
+
+
+def oracle_rows(q, cache, k, v, length_of_row):
+    """``reference_attention`` on each row's full sequence (its first ``length_of_row[b]``
+    positions, new rows last), on the CPU, float32 ``[B, n, HQ, D]``."""
+    cpu = jax.devices("cpu")[0]
+    out = []
+    with jax.default_device(cpu):
+        for b, length in enumerate(length_of_row):
+            kb, vb = (jax.device_put(np.asarray(x[b:b + 1, :length]), cpu) for x in (k, v))
+            if cache.v_format == "fp8":
+                vb = dequantize_token_e4m3(quantize_token_e4m3(vb)).astype(vb.dtype)
+            mean = jax.device_put(np.asarray(cache.k_mean[b:b + 1]), cpu) if cache.config.smooth_k else None
+            qb = jax.device_put(np.asarray(q[b:b + 1]), cpu)
+            out.append(np.asarray(reference_attention(qb, kb, vb, config=cache.config, k_mean=mean), np.float32)[0])
+    return np.stack(out)
+
+
+def rel_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def torch_cache(cache):
+    """The cache's arrays as CPU torch tensors (``plan.CACHE_FIELDS``), V in its dtype."""
+    import torch
+
+    from triton_kernels.plan import CACHE_FIELDS
+
+    out = {}
+    for f in CACHE_FIELDS:
+        x = getattr(cache, f)
+        t = torch.from_numpy(np.array(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x))
+        out[f] = t.to(torch.bfloat16) if x.dtype == jnp.bfloat16 else t
+    return out
+
+
+def kernel_decode(q, cache):
+    """A decode step through ``triton_kernels.torch_executor`` (the interpreter on the
+    CPU), float32 ``[B, n, HQ, D]``."""
+    import torch
+
+    from triton_kernels.torch_executor import dma_decode
+
+    options = cache.config.kernel_options(q.shape[3])
+    tq = torch.from_numpy(np.array(q.astype(jnp.float32))).to(getattr(torch, cache.dtype))
+    sink_len, ring_len = cache.slots
+    out = dma_decode(tq, torch_cache(cache), sink_len=sink_len, ring_len=ring_len, v_fp8=cache.v_format == "fp8",
+                     **{k: options[k] for k in ("diag_tiles", "sink_tiles", "high", "low", "sm_scale", "high_rule",
+                                                "low_rule", "rotate")})
+    return out.float().numpy()

@@ -1,0 +1,145 @@
+"""DMA decode over a low-bit KV cache (``dma_jax.decode_attention``, ``LowBitKVCache``):
+the jnp path and the Triton kernel (Triton's interpreter on the CPU) against
+``reference_attention`` on each row's full sequence and against the float64 oracle
+while the band moves through the cache's ring of high copies; the FP8 values against
+``ml_dtypes``; the cache's bytes; bad inputs."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dma_jax
+from dma_jax import DMAConfig, LowBitKVCache, decode_attention
+from dma_jax.formats import dequantize_token_e4m3, quantize_token_e4m3
+from triton_kernels.geometry import TILE, cache_slot, cache_slots
+
+import decode_cases
+import oracle
+
+SLOW = pytest.mark.slow
+CASE_IDS = ["default", "rows-cross-a-tile", "mxfp4-fp8v", "all-low-fp16", "all-high-fp8v", "plain-fp32"]
+
+
+def _params(fast):
+    return [pytest.param(c, id=i, marks=() if i in fast else SLOW) for c, i in zip(decode_cases.CASES, CASE_IDS)]
+
+
+@pytest.mark.parametrize("case", _params({"rows-cross-a-tile"}))
+def test_jnp_decode_equals_full_sequence_reference(case):
+    """Decode over the cache computes what reference_attention computes on the full
+    sequence for the new rows (same high/low pairs by absolute position, the cache's
+    fixed smooth-K mean): equal up to float32 summation order."""
+    q, cache, k, v = decode_cases.build(case)
+    out = np.asarray(decode_attention(q, cache), np.float32)
+    ref = decode_cases.oracle_rows(q, cache, k, v, np.asarray(cache.length))
+    assert decode_cases.rel_l2(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("case", _params({"default", "mxfp4-fp8v"}))
+def test_decode_kernel_equals_full_sequence_reference(case):
+    """The split-KV Triton kernel (interpreted) against the same oracle: bf16 P rounded
+    against the running row max, splits merged afterwards (rel-L2 <= 5e-3)."""
+    q, cache, k, v = decode_cases.build(case)
+    out = decode_cases.kernel_decode(q, cache)
+    ref = decode_cases.oracle_rows(q, cache, k, v, np.asarray(cache.length))
+    assert np.isfinite(out).all()
+    assert decode_cases.rel_l2(out, ref) <= 5e-3
+
+
+def test_band_copies_are_replaced_as_the_band_moves():
+    """Steps across a tile boundary with a ring that has wrapped: each step's output, by
+    the jnp path and by the kernel, matches the float64 oracle on the full sequence, and
+    a slot holds the high copy of the newest position that maps to it."""
+    config = DMAConfig(diag_tiles=1, sink_tiles=1)
+    prompt, steps, capacity = 636, 6, 1024
+    sink_len, ring_len = cache_slots(capacity, 1, 1)
+    assert (sink_len, ring_len) == (TILE, 2 * TILE)
+    q, k, v = decode_cases.sequences(1, 1, prompt + steps, 2, 1, 64, jnp.float32, steps=steps)
+    cache = LowBitKVCache.empty(1, capacity, 1, 64, dtype=jnp.float32, config=config).write(k[:, :prompt],
+                                                                                           v[:, :prompt])
+    step = jax.jit(lambda c, kk, vv, qq: (lambda c2: (c2, decode_attention(qq, c2)))(c.append(kk, vv)))
+    for i in range(steps):
+        cache, out = step(cache, k[:, prompt + i:prompt + i + 1], v[:, prompt + i:prompt + i + 1], q[i])
+        length = prompt + i + 1
+        keys = (np.asarray(k[:, :length]) - np.asarray(cache.k_mean)[:, None]).astype(np.float32)
+        want = oracle.dma_attention(np.asarray(q[i]), keys, np.asarray(v[:, :length]), diag=1, sink=1,
+                                    smooth_k=False)
+        assert oracle.rel_l2(np.asarray(out), want) <= 2e-3, i
+        assert oracle.rel_l2(decode_cases.kernel_decode(q[i], cache), want) <= 2e-3, i
+    # Position 641 went to slot 128 + 641 % 256 = 257, replacing position 385 (tile 3).
+    newest = prompt + steps - 1
+    slot = int(cache_slot(newest, sink_len, ring_len))
+    assert slot == sink_len + newest % ring_len
+    hi = dma_jax.quantize(dma_jax.rotation.hadamard(k[:, newest] - cache.k_mean), "mxfp8_e4m3")
+    np.testing.assert_array_equal(np.asarray(cache.hi_codes[:, slot]), np.asarray(hi.codes))
+
+
+def test_fp8_values_match_ml_dtypes():
+    """V's FP8 form: one power-of-two scale per token, the smallest with amax / scale <=
+    448, elements E4M3 rounded to nearest even (ml_dtypes)."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((4, 6, 64)) * np.exp2(rng.integers(-20, 20, (4, 6, 1)))).astype(np.float32)
+    x[0, 0] = 0.0
+    got = quantize_token_e4m3(x)
+    amax = np.abs(x).max(-1)
+    e = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-38) / 448.0)), -127).astype(np.int64)
+    e = np.where(amax / np.exp2(e - 1.0) <= 448.0, e - 1, e)  # log2 rounding at exact powers of two
+    np.testing.assert_array_equal(np.asarray(got.scales), np.clip(e + 127, 0, 254).astype(np.uint8))
+    want = (x / np.exp2(e.astype(np.float64))[..., None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    np.testing.assert_array_equal(np.asarray(got.codes), want)
+    back = np.asarray(dequantize_token_e4m3(got))
+    np.testing.assert_array_equal(back, want.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+                                  * np.exp2(e.astype(np.float64))[..., None])
+    nan = quantize_token_e4m3(np.array([[1.0, np.nan] * 16], np.float32))
+    assert int(nan.scales[0]) == 0xFF and np.isnan(np.asarray(dequantize_token_e4m3(nan))).all()
+
+
+@pytest.mark.parametrize("v_format", ["input", "fp8"])
+def test_bytes_per_token_counts_the_arrays(v_format):
+    """``bytes_per_token`` (per token and kv head) against the arrays' own sizes, and
+    against the formats: NVFP4 keys (64 + 8 + 4 bytes at head_dim 128) and bf16 or
+    E4M3 + E8M0 values."""
+    cache = LowBitKVCache.empty(2, 4096, 3, 128, v_format=v_format)
+    per_token = LowBitKVCache.bytes_per_token(128, v_format=v_format, context=4096)
+    fixed = cache.k_mean.nbytes + cache.length.nbytes + (0 if v_format == "fp8" else cache.v_scale.nbytes)
+    assert (cache.nbytes() - fixed) / (2 * 4096 * 3) == pytest.approx(per_token)
+    assert LowBitKVCache.bytes_per_token(128, v_format=v_format) == 76 + (129 if v_format == "fp8" else 256)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda c, q: decode_attention(jnp.zeros((1, 1, 3, 64), jnp.bfloat16), LowBitKVCache.empty(1, 256, 2, 64)),
+     "q_heads must be a multiple"),
+    (lambda c, q: decode_attention(q[..., :32], c), "head_dim=64"),
+    (lambda c, q: decode_attention(jnp.zeros((1, 129, 2, 64), jnp.bfloat16), c), "1 to 128 new query rows"),
+    (lambda c, q: decode_attention(q.astype(jnp.float16), c), "cache's dtype bfloat16"),
+    (lambda c, q: decode_attention(q, {"k": 1}), "must be a dma_jax.LowBitKVCache"),
+    (lambda c, q: c.write(jnp.zeros((1, 300, 1, 64)), jnp.zeros((1, 300, 1, 64))), "do not fit a cache of capacity"),
+    (lambda c, q: c.append(jnp.zeros((1, 1, 2, 64)), jnp.zeros((1, 1, 2, 64))), "kv_heads=1"),
+    (lambda c, q: c.append(jnp.zeros((1, 2, 1, 64)), jnp.zeros((1, 1, 1, 64))), "same number of tokens"),
+    (lambda c, q: c.append(jnp.zeros((1, 129, 1, 64)), jnp.zeros((1, 129, 1, 64))), "1 to 128 tokens"),
+    (lambda c, q: LowBitKVCache.empty(1, 8, 1, 64, v_format="int8"), "v_format must be one of"),
+    (lambda c, q: LowBitKVCache.empty(1, 8, 1, 96), "head_dim must be 64 or 128"),
+    (lambda c, q: LowBitKVCache.empty(0, 8, 1, 64), "batch must be an int >= 1"),
+    (lambda c, q: LowBitKVCache.empty(1, 8, 1, 64, dtype=jnp.int32), "dtype must be one of"),
+    (lambda c, q: LowBitKVCache.empty(1, 8, 1, 64, config=DMAConfig.hopper_fast()), "pv='input'"),
+    (lambda c, q: LowBitKVCache.empty(1, 8, 1, 64, config="default"), "config must be a DMAConfig"),
+])
+def test_bad_inputs_are_named(make, message):
+    cache = LowBitKVCache.empty(1, 256, 1, 64)
+    q = jnp.zeros((1, 1, 2, 64), jnp.bfloat16)
+    with pytest.raises((ValueError, TypeError), match=message):
+        make(cache, q)
+
+
+def test_cache_passes_through_jit_with_its_config_static():
+    """A LowBitKVCache is a pytree whose config is static: jit traces its arrays only."""
+    cache = LowBitKVCache.empty(1, 256, 1, 64, config=DMAConfig(diag_tiles=2))
+    leaves, tree = jax.tree.flatten(cache)
+    assert len(leaves) == 9 and all(isinstance(x, jax.Array) for x in leaves)
+    back = jax.jit(lambda c: c)(cache)
+    assert back.config == DMAConfig(diag_tiles=2) and back.v_format == "input"
+    assert dataclasses.replace(back, length=back.length + 1).length[0] == 1
