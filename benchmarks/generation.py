@@ -35,7 +35,7 @@ from device_name import gpu_tag
 from plotting import pyplot
 from models.decoding import Timings, generate_batch
 from models.generate import device_name
-from models.llama import AttentionSpec, KVCache, load_checkpoint
+from models.llama import AttentionSpec, load_checkpoint, new_cache
 from models.llama.loaders import embedded_model_path
 
 # Our attention choices: name -> spec (prefill / decode).
@@ -43,6 +43,8 @@ SPECS = {
     "exact": AttentionSpec.named("exact"),
     "cudnn": AttentionSpec.named("cudnn"),
     "dma": AttentionSpec.named("dma", decode="cudnn"),
+    "dma+dma": AttentionSpec.named("dma", decode="dma"),
+    "dma+dma-fp8v": AttentionSpec.named("dma", decode="dma", kv_cache="fp8"),
 }
 
 
@@ -57,10 +59,11 @@ def ours(model, spec: AttentionSpec, ids: list[list[int]], new_tokens: int) -> d
         t = Timings()
         for _ in generate_batch(model, ids, spec=spec, max_new_tokens=new_tokens, timings=t):
             pass
-    cache = KVCache.empty(model.config, 1, 1, model.dtype)
+    length = len(ids[0]) + new_tokens
+    cache = new_cache(model.config, spec, 1, length, model.dtype)
     return {"ttft_ms": 1e3 * t.prefill_s, "decode_tok_s": t.decode_tokens_per_s,
             "batch_tok_s": t.batch * t.decode_tokens_per_s, "new_tokens": t.new_tokens,
-            "kv_bytes_per_token": cache.nbytes()}
+            "kv_bytes_per_token": cache.nbytes() / length}
 
 
 def hf_model(checkpoint: str, dtype: str):

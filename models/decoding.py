@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .llama import AttentionSpec, KVCache, Llama
+from .llama import AttentionSpec, Llama, new_cache
 
 __all__ = ["Sampling", "Timings", "generate", "generate_batch", "sample"]
 
@@ -149,7 +149,7 @@ def generate_batch(
 
     graphdef, state = nnx.split(model)
     prefill, decode = _jitted(graphdef, spec, sampling)
-    cache = KVCache.empty(model.config, len(prompts), cache_len or needed, model.dtype)
+    cache = new_cache(model.config, spec, len(prompts), cache_len or needed, model.dtype)
     key = jax.random.PRNGKey(sampling.seed)
     args = (state, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
     # Both steps compiled (or found compiled) before the clock of the prefill starts.

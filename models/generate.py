@@ -25,7 +25,7 @@ from dma_jax.config import HIGH_FORMATS, LOW_FORMATS
 
 from .decoding import Sampling, Timings, generate, generate_batch, sample
 from .llama import AttentionSpec, Llama, load_checkpoint
-from .llama.attention import ATTENTION_NAMES, DECODE_NAMES
+from .llama.attention import ATTENTION_NAMES, DECODE_NAMES, KV_CACHE_FORMATS
 
 __all__ = ["Sampling", "Timings", "agreement", "chat_prompt", "first_token_margin", "generate", "generate_batch",
            "main", "sample"]
@@ -98,7 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     p.add_argument("--attention", default="dma", choices=ATTENTION_NAMES, help="prefill attention")
     p.add_argument("--decode-attention", choices=DECODE_NAMES, default=None,
-                   help="decode attention (default: exact after a DMA prefill, else the prefill's)")
+                   help="decode attention (default: exact after a DMA prefill, else the prefill's); dma: DMA "
+                        "over a KV cache in DMA's formats (keys 4-bit, the band's also 8-bit)")
+    p.add_argument("--kv-cache", default="input", choices=KV_CACHE_FORMATS,
+                   help="with --decode-attention dma: the values in the compute dtype (input) or in E4M3 (fp8)")
     p.add_argument("--diag-tiles", type=int, default=DMAConfig.diag_tiles, help="DMA: high-precision diagonal band")
     p.add_argument("--sink-tiles", type=int, default=DMAConfig.sink_tiles, help="DMA: high-precision first key tiles")
     p.add_argument("--low", default=DMAConfig.low, choices=LOW_FORMATS, help="DMA: the 4-bit format")
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         dma = DMAConfig(diag_tiles=args.diag_tiles, sink_tiles=args.sink_tiles, high=args.high, low=args.low)
-        spec = AttentionSpec.named(args.attention, dma=dma, decode=args.decode_attention)
+        spec = AttentionSpec.named(args.attention, dma=dma, decode=args.decode_attention, kv_cache=args.kv_cache)
     except ValueError as e:
         p.error(str(e))
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")

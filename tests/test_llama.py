@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM
 
 import dma_jax
 from models.generate import Sampling, Timings, agreement, chat_prompt, generate, generate_batch, main, sample
-from models.llama import AttentionSpec, KVCache, load_checkpoint
+from models.llama import AttentionSpec, KVCache, load_checkpoint, new_cache
 from models.llama.loaders import embedded_model_path, load_gguf, load_hf
 
 ROPE_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -94,6 +94,41 @@ def test_batch_of_prompts_of_different_lengths_decodes_each_row_as_alone(tmp_pat
         for r, (row, n) in enumerate(zip(rows, prompt_lens)):
             want = hf_logits(hf, row[None])[0, n - 1:]
             np.testing.assert_allclose(np.stack(got[r]), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_cache", ["input", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_dma_decode_equals_full_forward_with_reference_last_row(tmp_path, kv_cache):
+    """Decode over the low-bit cache (rows of different lengths) gives the logits of a
+    full forward whose newest row attends through reference_attention on the whole
+    sequence with the cache's fixed smooth-K mean (and V rounded to E4M3 per token for
+    kv_cache="fp8"), every earlier row through exact attention (the prefill's)."""
+    _, path = tiny_hf(tmp_path, head_dim=64)
+    model = load_hf(path)
+    rng = np.random.default_rng(5)
+    lengths = [150, 131]
+    tokens = jnp.asarray(rng.integers(0, 300, (2, 151)))
+    spec = AttentionSpec(prefill="exact", decode="dma", dma=dma_jax.DMAConfig(diag_tiles=1, sink_tiles=0),
+                         kv_cache=kv_cache)
+    _, cache = model.prefill(tokens[:, :150], new_cache(model.config, spec, 2, 256), spec,
+                             lengths=jnp.asarray(lengths), last_only=True)
+    means = [layer.k_mean for layer in cache.layers]
+    step = tokens[jnp.arange(2), jnp.asarray(lengths)][:, None]
+    logits, cache = model.decode(step, cache, spec)
+    assert cache.length.tolist() == [151, 132]
+    for r, n in enumerate(lengths):
+        row = tokens[r:r + 1, :n + 1].at[0, n].set(step[r, 0])
+
+        def attend(i, q, k, v, r=r, n=n):
+            last_v = v
+            if kv_cache == "fp8":
+                last_v = dma_jax.formats.dequantize_token_e4m3(dma_jax.formats.quantize_token_e4m3(v)).astype(v.dtype)
+            last = dma_jax.reference_attention(q[:, -1:], k, last_v, config=spec.dma_config(model.config.head_dim**-0.5),
+                                               k_mean=means[i][r:r + 1])
+            earlier = AttentionSpec().prefill_fn(q, k, v, sm_scale=model.config.head_dim**-0.5)
+            return earlier.at[:, -1:].set(last)
+
+        want = model.run_layers(row, jnp.arange(n + 1), attend)[0, -1]
+        np.testing.assert_allclose(np.asarray(logits[r, 0]), np.asarray(want), atol=2e-4)
 
 
 def test_dma_all_high_stays_close_to_exact(tmp_path):
@@ -284,12 +319,24 @@ def test_cli_help_and_one_line_errors(capsys, tmp_path):
     for argv, message in ((["--diag-tiles", "-1"], "diag_tiles must be"),
                           (["--top-p", "0"], r"top_p must be in (0, 1]; got 0.0"),
                           (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1; got 0"),
+                          (["--kv-cache", "fp8"], "kv_cache='fp8' is the format of DMA decode's cache: it needs "
+                                                  "decode='dma'"),
                           (["--checkpoint", str(tmp_path / "nope.bin")], "neither a directory nor a .gguf file")):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_cli_decodes_with_dma_over_the_low_bit_cache(capsys):
+    """The README's DMA-decode command answers the prompt with the cache in DMA's
+    formats (FP8 values too)."""
+    main(["--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "10", "--attention", "exact",
+          "--decode-attention", "dma", "--kv-cache", "fp8"])
+    out = capsys.readouterr().out
+    assert "Paris" in out and "attention exact/dma" in out
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 from .attention import ATTENTION_NAMES, AttentionSpec
 from .config import LlamaConfig
-from .model import KVCache, Llama
+from .model import KVCache, Llama, LowBitCache, new_cache
 from .loaders import load_checkpoint
 
-__all__ = ["ATTENTION_NAMES", "AttentionSpec", "KVCache", "Llama", "LlamaConfig", "load_checkpoint"]
+__all__ = ["ATTENTION_NAMES", "AttentionSpec", "KVCache", "Llama", "LlamaConfig", "LowBitCache", "load_checkpoint",
+           "new_cache"]

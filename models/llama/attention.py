@@ -11,8 +11,10 @@ each a scalar or one per batch row ``[B]`` (traced during decode), and returns
   choice of implementation): the standard attention a JAX user would otherwise run.
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` in bf16 (an
   NVIDIA GPU only): the fastest bf16 attention JAX offers, the honest baseline.
-* ``dma``: ``dma_jax.attention`` with a ``DMAConfig``; prefill only (it takes no
-  key mask), as in the paper, which runs decode in exact attention.
+* ``dma``: in prefill ``dma_jax.attention`` with a ``DMAConfig``; in decode
+  ``dma_jax.decode_attention`` over a ``dma_jax.LowBitKVCache`` (the model then keeps
+  its cache in DMA's formats: keys 4-bit, the band's also 8-bit, V in the compute
+  dtype or with ``kv_cache="fp8"`` in E4M3). The paper decodes in exact attention.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import jax.numpy as jnp
 import dma_jax
 
 ATTENTION_NAMES = ("exact", "xla", "bf16", "cudnn", "dma")
-DECODE_NAMES = ("exact", "xla", "bf16", "cudnn")
+DECODE_NAMES = ("exact", "xla", "bf16", "cudnn", "dma")
+KV_CACHE_FORMATS = ("input", "fp8")
 
 
 def _mask(q_len, kv_total, q_offset, kv_len):
@@ -83,36 +86,49 @@ _FUNCTIONS = {"exact": exact, "xla": xla, "bf16": bf16, "cudnn": cudnn}
 class AttentionSpec:
     """Which attention runs in prefill and in decode.
 
-    ``prefill``: one of ``ATTENTION_NAMES``; ``decode``: one of ``DECODE_NAMES`` (DMA
-    runs prefill only). ``dma`` configures the DMA prefill.
+    ``prefill``: one of ``ATTENTION_NAMES``; ``decode``: one of ``DECODE_NAMES``.
+    ``dma`` configures DMA (prefill and decode); ``kv_cache``: the values' format in
+    DMA decode's cache, ``"input"`` (the compute dtype) or ``"fp8"``.
     """
 
     prefill: str = "exact"
     decode: str = "exact"
     dma: dma_jax.DMAConfig = dma_jax.DMAConfig()
+    kv_cache: str = "input"
 
     def __post_init__(self) -> None:
         if self.prefill not in ATTENTION_NAMES:
             raise ValueError(f"unknown attention {self.prefill!r}; expected one of {ATTENTION_NAMES}")
         if self.decode not in DECODE_NAMES:
-            raise ValueError(
-                f"decode attention must be one of {DECODE_NAMES}; got {self.decode!r} "
-                "(DMA is a prefill kernel: it has no key mask for a partly filled cache)"
-            )
+            raise ValueError(f"decode attention must be one of {DECODE_NAMES}; got {self.decode!r}")
+        if self.kv_cache not in KV_CACHE_FORMATS:
+            raise ValueError(f"kv_cache must be one of {KV_CACHE_FORMATS}; got {self.kv_cache!r}")
+        if self.kv_cache != "input" and self.decode != "dma":
+            raise ValueError(f"kv_cache={self.kv_cache!r} is the format of DMA decode's cache: it needs decode='dma'; "
+                             f"got decode={self.decode!r}")
 
     @classmethod
-    def named(cls, name: str, dma: dma_jax.DMAConfig | None = None, decode: str | None = None) -> "AttentionSpec":
+    def named(cls, name: str, dma: dma_jax.DMAConfig | None = None, decode: str | None = None,
+              kv_cache: str = "input") -> "AttentionSpec":
         """``"dma"`` means DMA prefill with exact decode (the paper's setting)."""
         if name not in ATTENTION_NAMES:
             raise ValueError(f"unknown attention {name!r}; expected one of {ATTENTION_NAMES}")
         default_decode = "exact" if name == "dma" else name
-        return cls(prefill=name, decode=decode or default_decode, dma=dma or dma_jax.DMAConfig())
+        return cls(prefill=name, decode=decode or default_decode, dma=dma or dma_jax.DMAConfig(), kv_cache=kv_cache)
+
+    @property
+    def low_bit_cache(self) -> bool:
+        """Whether the model keeps its KV cache in DMA's formats (DMA decode)."""
+        return self.decode == "dma"
+
+    def dma_config(self, sm_scale: float) -> dma_jax.DMAConfig:
+        """``dma`` with the model's softmax scale."""
+        return dataclasses.replace(self.dma, sm_scale=sm_scale)
 
     def prefill_fn(self, q, k, v, *, sm_scale):
         """Causal attention over a fresh prompt (queries = keys = positions 0..T-1)."""
         if self.prefill == "dma":
-            cfg = dataclasses.replace(self.dma, sm_scale=sm_scale)
-            return dma_jax.attention(q, k, v, causal=True, config=cfg)
+            return dma_jax.attention(q, k, v, causal=True, config=self.dma_config(sm_scale))
         return _FUNCTIONS[self.prefill](q, k, v, q_offset=0, kv_len=k.shape[1], sm_scale=sm_scale)
 
     def decode_fn(self, q, k, v, *, q_offset, kv_len, sm_scale):

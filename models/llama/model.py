@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import dma_jax
+
 from .attention import AttentionSpec
 from .config import LlamaConfig
 
@@ -42,6 +44,41 @@ class KVCache(NamedTuple):
     def nbytes(self) -> int:
         """Bytes of the key and value buffers."""
         return sum(x.nbytes for x in (*self.k, *self.v))
+
+
+class LowBitCache(NamedTuple):
+    """DMA decode's cache (``AttentionSpec(decode="dma")``): one
+    :class:`dma_jax.LowBitKVCache` per layer, keys in DMA's formats."""
+
+    layers: tuple[dma_jax.LowBitKVCache, ...]
+
+    @classmethod
+    def empty(cls, config: LlamaConfig, spec: AttentionSpec, batch: int, max_len: int,
+              dtype=jnp.float32) -> "LowBitCache":
+        cfg = spec.dma_config(config.head_dim**-0.5)
+        return cls(tuple(dma_jax.LowBitKVCache.empty(batch, max_len, config.num_kv_heads, config.head_dim,
+                                                     dtype=dtype, config=cfg, v_format=spec.kv_cache)
+                         for _ in range(config.num_layers)))
+
+    @property
+    def length(self) -> jax.Array:
+        return self.layers[0].length
+
+    @property
+    def max_len(self) -> int:
+        return self.layers[0].capacity
+
+    def nbytes(self) -> int:
+        """Bytes of the layers' arrays."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def new_cache(config: LlamaConfig, spec: AttentionSpec, batch: int, max_len: int,
+              dtype=jnp.float32) -> "KVCache | LowBitCache":
+    """An empty cache of the kind ``spec``'s decode reads."""
+    if spec.low_bit_cache:
+        return LowBitCache.empty(config, spec, batch, max_len, dtype)
+    return KVCache.empty(config, batch, max_len, dtype)
 
 
 def rope_frequencies(config: LlamaConfig) -> jax.Array:
@@ -187,14 +224,28 @@ class Llama(nnx.Module):
             return logits, None
         if t > cache.max_len:
             raise ValueError(f"prompt of {t} tokens does not fit a cache of {cache.max_len}")
+        if isinstance(cache, LowBitCache):
+            return logits, LowBitCache(tuple(layer.write(k, v, lengths)
+                                             for layer, k, v in zip(cache.layers, new_k, new_v)))
         k = tuple(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), 0, axis=1) for c, x in zip(cache.k, new_k))
         v = tuple(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), 0, axis=1) for c, x in zip(cache.v, new_v))
         return logits, KVCache(k, v, lengths)
 
-    def decode(self, tokens: jax.Array, cache: KVCache, spec: AttentionSpec):
+    def decode(self, tokens: jax.Array, cache: "KVCache | LowBitCache", spec: AttentionSpec):
         """One step: logits ``[B, 1, vocab]`` of ``tokens [B, 1]``, each row at its
         position ``cache.length``."""
         pos = cache.length
+        if isinstance(cache, LowBitCache):
+            layers = list(cache.layers)
+
+            def append(i, k, v):
+                layers[i] = layers[i].append(k, v)
+
+            def attend_low_bit(i, q, k, v):
+                return dma_jax.decode_attention(q.astype(layers[i].dtype), layers[i]).astype(q.dtype)
+
+            logits = self.run_layers(tokens, pos[:, None], attend_low_bit, append)
+            return logits, LowBitCache(tuple(layers))
         rows = jnp.arange(tokens.shape[0])
         scale = self.config.head_dim**-0.5
         ks, vs = list(cache.k), list(cache.v)
