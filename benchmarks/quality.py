@@ -79,8 +79,11 @@ RULE_CONFIGS = {"DMA default · OCP scales (floor, nearest) · none": DMAConfig(
 CONFIGS.update(RULE_CONFIGS)
 FULL = ((512, 16), (2048, 4), (4096, 2))
 # Greedy generation compares these configurations with exact attention.
-GREEDY = ("exact", "DMA default (diag 1, sink 1)", "DMA diag 0, sink 0 (all NVFP4)", "all MXFP8 (e4m3)",
-          "all MXFP4", "Hopper preset (all MXFP8, FP8 P·V)")
+# Greedy answers only (perplexity is a prefill): DMA default's prefill, then DMA decode
+# over its low-bit KV cache (values in the compute dtype or in FP8).
+DECODE_VARIANTS = {"DMA default + DMA decode": "input", "DMA default + DMA decode, FP8 V": "fp8"}
+GREEDY = ("exact", "DMA default (diag 1, sink 1)", *DECODE_VARIANTS, "DMA diag 0, sink 0 (all NVFP4)",
+          "all MXFP8 (e4m3)", "all MXFP4", "Hopper preset (all MXFP8, FP8 P·V)")
 PROMPTS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -188,8 +191,12 @@ def greedy_agreement(model, tokenizer, prompts: list[str], new_tokens: int, name
     cache_len = max(len(ids) for ids in encoded) + new_tokens  # one decode shape per config
     answers = {}
     for name in names:
-        cfg = CONFIGS[name]
-        spec = AttentionSpec.named("exact") if cfg is None else AttentionSpec.named("dma", dma=cfg)
+        if name in DECODE_VARIANTS:
+            spec = AttentionSpec.named("dma", decode="dma", kv_cache=DECODE_VARIANTS[name])
+        elif CONFIGS[name] is None:
+            spec = AttentionSpec.named("exact")
+        else:
+            spec = AttentionSpec.named("dma", dma=CONFIGS[name])
         answers[name] = [list(generate(model, ids, spec=spec, max_new_tokens=new_tokens, stop_ids=stop,
                                        cache_len=cache_len)) for ids in encoded]
     result = {}
@@ -244,10 +251,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS):
         parser.error(f"--prompts must be in [1, {len(PROMPTS)}]")
-    chosen = args.configs or (list(RULE_CONFIGS) if args.rules else [n for n in CONFIGS if n not in RULE_CONFIGS])
-    unknown = [n for n in chosen if n not in CONFIGS]
+    chosen = args.configs or (list(RULE_CONFIGS) if args.rules else
+                              [n for n in CONFIGS if n not in RULE_CONFIGS] + list(DECODE_VARIANTS))
+    unknown = [n for n in chosen if n not in CONFIGS and n not in DECODE_VARIANTS]
     if unknown:
-        parser.error(f"unknown --configs {unknown}; expected names from {list(CONFIGS)}")
+        parser.error(f"unknown --configs {unknown}; expected names from {list(CONFIGS) + list(DECODE_VARIANTS)}")
     names = ["exact"] + [n for n in CONFIGS if n in chosen and n != "exact"]
 
     model, make_tokenizer = load_checkpoint(args.checkpoint)
@@ -259,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += perplexity_table(model, tokenizer, window, count, names)
     # Greedy answers: the headline configs, or with --rules every DMA default variant.
     greedy_names = [n for n in names if n == "exact" or n.startswith("DMA default ·")] if args.rules else [
-        n for n in GREEDY if n in names]
+        n for n in GREEDY if n in names or n in chosen and n in DECODE_VARIANTS]
     greedy = greedy_agreement(model, tokenizer, PROMPTS[: args.prompts], args.new_tokens, greedy_names)
 
     layer_configs = {"DMA default": DMAConfig(), "all NVFP4": DMAConfig.all_low(), "all MXFP8": DMAConfig.all_high()}

@@ -112,15 +112,16 @@ def triton_input_attention(q, k, v, *, causal: bool, sm_scale: float, q_offset: 
 
 
 def decode_plan(q, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring_len: int,
-                target: Target | None = None) -> Plan:
+                target: Target | None = None, **overrides: Any) -> Plan:
     """The launches of ``dma_decode`` for ``q`` and the cache's arrays
-    (``plan.CACHE_FIELDS`` order) on JAX's GPU (or ``target``)."""
+    (``plan.CACHE_FIELDS`` order) on JAX's GPU (or ``target``); ``overrides`` as for
+    ``plan.decode_plan`` (``launch``)."""
     options = config.kernel_options(q.shape[3])
     buffers = {f: buffer(f, x) for f, x in zip(plans.CACHE_FIELDS, cache)}
     return plans.decode_plan(buffer("q", q), buffers, target or gpu_target(), sink_len=sink_len, ring_len=ring_len,
                              v_fp8=v_fp8, **{k: options[k] for k in ("diag_tiles", "sink_tiles", "high", "low",
                                                                      "sm_scale", "high_rule", "low_rule",
-                                                                     "rotate")})
+                                                                     "rotate")}, **overrides)
 
 
 def triton_decode(q, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring_len: int):

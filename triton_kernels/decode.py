@@ -38,94 +38,135 @@ _BOTH = tl.constexpr(2)
 
 
 @triton.jit
-def _decode_values(codes_ptr, scales_ptr, token_ptr, rows, mask, D: tl.constexpr, R: tl.constexpr,
-                   EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, BLOCK: tl.constexpr, NV: tl.constexpr):
-    """Rows ``rows`` (int64 indices into the token grid) of a quantized operand as
-    float32 ``[R, D]`` values ``e · scale`` (exact in bf16), and the per-row factor:
-    NVFP4's ``s2``, else 1. 4-bit codes are packed two per byte, element ``2t`` in the
-    low nibble. A NaN scale (a non-finite block) decodes to NaN."""
-    if EXP_BITS + MAN_BITS == 3:
-        cols = tl.arange(0, D // 2)
-        packed = tl.load(codes_ptr + rows[:, None] * (D // 2) + cols[None, :], mask=mask[:, None], other=0)
-        packed = packed.to(tl.int32)
-        low = element_value(packed & 0xF, EXP_BITS, MAN_BITS)
-        high = element_value(packed >> 4, EXP_BITS, MAN_BITS)
-        values = tl.reshape(tl.join(low, high), (R, D))
-    else:
-        cols = tl.arange(0, D)
-        codes = tl.load(codes_ptr + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0)
-        values = element_value(codes.to(tl.int32), EXP_BITS, MAN_BITS)
-    blocks = tl.arange(0, D // BLOCK)
-    sc = tl.load(scales_ptr + rows[:, None] * (D // BLOCK) + blocks[None, :], mask=mask[:, None], other=0)
-    sc = sc.to(tl.int32)
-    if NV:
-        # Unsigned E4M3 block scales; 0x7F marks a non-finite block.
-        scale = tl.where(sc == 0x7F, float("nan"), element_value(sc, 4, 3))
-        token = tl.load(token_ptr + rows, mask=mask, other=1.0)
-    else:
-        # E8M0: 2^(s - 127), 0xFF = NaN. s = 0 (2^-127, a float32 subnormal) reads as
-        # 2^-126: only blocks of magnitude ~1e-38 differ, whose scores are ~0 either way.
-        scale = tl.where(sc == 0xFF, float("nan"), pow2(tl.maximum(sc - 127, -126)))
-        token = tl.full((R,), 1.0, tl.float32)
-    values = tl.reshape(tl.reshape(values, (R, D // BLOCK, BLOCK)) * scale[:, :, None], (R, D))
-    return values, token
-
-
-@triton.jit
-def _operand(values, DOT_F32: tl.constexpr):
-    """Decoded values as a ``tl.dot`` operand: bf16 (exact), or float32 in the
+def _as_operand(x, DOT_F32: tl.constexpr):
+    """Exact float32 values as a ``tl.dot`` operand: bf16, or float32 in the
     interpreter, whose bf16 ``tl.dot`` is wrong."""
     if DOT_F32:
-        return values
+        return x
     else:
-        return values.to(tl.bfloat16)
+        return x.to(tl.bfloat16)
 
 
 @triton.jit
-def _scores(qa, qt, k_codes, k_scales, k_token, k_rows, t_ok, D: tl.constexpr, BLOCK_N: tl.constexpr,
-            EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, BLOCK: tl.constexpr, NV: tl.constexpr,
-            DOT_F32: tl.constexpr):
-    """Base-2 scores ``[BLOCK_M, BLOCK_N]`` of the prepared Q operand ``qa`` (row
-    factors ``qt``) against the keys at ``k_rows`` in one format."""
-    kv, kt = _decode_values(k_codes, k_scales, k_token, k_rows, t_ok, D, BLOCK_N, EXP_BITS, MAN_BITS, BLOCK, NV)
+def _e2m1(nibbles, DOT_F32: tl.constexpr):
+    """E2M1 codes (int32 in [0, 15]) as bf16 values (float32 with DOT_F32), built from
+    their bits without float arithmetic: 0 and 0.5 (magnitude codes 0, 1) are
+    ``code * 0x3F00``; code c >= 2 has bf16 exponent ``126 + c // 2`` and mantissa bit
+    ``c & 1``, which is ``(c + 252) << 6``."""
+    mag = nibbles & 7
+    bits = tl.where(mag < 2, mag * 0x3F00, (mag + 252) << 6) | ((nibbles & 8) << 12)
     if DOT_F32:
-        s = tl.dot(qa, tl.trans(kv), input_precision="ieee")
+        return (bits << 16).to(tl.float32, bitcast=True)
     else:
-        s = tl.dot(qa, tl.trans(_operand(kv, False)), out_dtype=tl.float32)
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _fp8(codes, EXP_BITS: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr):
+    """E4M3 / E5M2 bytes as bf16 values (float32 with DOT_F32): the GPU's conversion
+    (exact), or integer decoding in the interpreter."""
+    if HW_CVT:
+        if EXP_BITS == 4:
+            x = codes.to(tl.float8e4nv, bitcast=True)
+        else:
+            x = codes.to(tl.float8e5, bitcast=True)
+        if DOT_F32:
+            return x.to(tl.float32)
+        else:
+            return x.to(tl.bfloat16)
+    else:
+        return _as_operand(element_value(codes.to(tl.int32), EXP_BITS, 7 - EXP_BITS), DOT_F32)
+
+
+@triton.jit
+def _block_scales(scales_ptr, rows, mask, NB: tl.constexpr, NV: tl.constexpr):
+    """float32 block scales ``[R, NB]`` at ``rows``: unsigned E4M3 (NVFP4, 0x7F for a
+    non-finite block) or E8M0 (``2^(s - 127)``, 0xFF = NaN). E8M0's s = 0 (2^-127, a
+    float32 subnormal) reads as 2^-126: only blocks of magnitude ~1e-38 differ, whose
+    scores are ~0 either way."""
+    cols = tl.arange(0, NB)
+    sc = tl.load(scales_ptr + rows[:, None] * NB + cols[None, :], mask=mask[:, None], other=0).to(tl.int32)
     if NV:
-        s = (s * qt[:, None]) * kt[None, :]
-    return s
+        return tl.where(sc == 0x7F, float("nan"), element_value(sc, 4, 3))
+    else:
+        return tl.where(sc == 0xFF, float("nan"), pow2(tl.maximum(sc - 127, -126)))
+
+
+@triton.jit
+def _scaled(values, scales, R: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, DOT_F32: tl.constexpr):
+    """values ``[R, W]`` times the scale of their block (``NB`` blocks of ``W // NB``):
+    a product of at most 6 significant bits, exact in bf16."""
+    blocked = tl.reshape(values, (R, NB, W // NB)) * _as_operand(scales, DOT_F32)[:, :, None]
+    return tl.reshape(blocked, (R, W))
+
+
+@triton.jit
+def _low_keys(codes_ptr, scales_ptr, rows, mask, D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
+              NV: tl.constexpr, DOT_F32: tl.constexpr):
+    """4-bit rows as two operands ``[R, D/2]``: the even elements (low nibbles) and the
+    odd ones (high nibbles), each times its block scale. Q is split the same way, so
+    Q·Kᵀ is the sum of the two halves' products and the nibbles are never interleaved."""
+    cols = tl.arange(0, D // 2)
+    packed = tl.load(codes_ptr + rows[:, None] * (D // 2) + cols[None, :], mask=mask[:, None], other=0)
+    packed = packed.to(tl.int32)
+    scales = _block_scales(scales_ptr, rows, mask, D // BLOCK, NV)
+    even = _scaled(_e2m1(packed & 0xF, DOT_F32), scales, R, D // 2, D // BLOCK, DOT_F32)
+    odd = _scaled(_e2m1(packed >> 4, DOT_F32), scales, R, D // 2, D // BLOCK, DOT_F32)
+    return even, odd
+
+
+@triton.jit
+def _high_keys(codes_ptr, scales_ptr, rows, mask, D: tl.constexpr, R: tl.constexpr, EXP_BITS: tl.constexpr,
+               HW_CVT: tl.constexpr, DOT_F32: tl.constexpr):
+    """8-bit MX rows ``[R, D]``, each element times its block scale."""
+    cols = tl.arange(0, D)
+    codes = tl.load(codes_ptr + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0)
+    scales = _block_scales(scales_ptr, rows, mask, D // 32, False)
+    return _scaled(_fp8(codes, EXP_BITS, HW_CVT, DOT_F32), scales, R, D, D // 32, DOT_F32)
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    """a @ bᵀ in float32."""
+    if DOT_F32:
+        return tl.dot(a, tl.trans(b), input_precision="ieee")
+    else:
+        return tl.dot(a, tl.trans(b), out_dtype=tl.float32)
 
 
 @triton.jit
 def _decode_run(
-    acc, m_i, l_i, q_hi, q_hi_t, q_lo, q_lo_t, row_high, q_pos,
+    acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos,
     lo_codes, lo_scales, lo_token, hi_codes, hi_scales, v_ptr, v_scale,
-    b, hkv, S, R, HKV, length, sink_len, ring_len, start, stop,
-    MODE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HI_E: tl.constexpr, HI_M: tl.constexpr, LO_M: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NV: tl.constexpr,
-    V_FP8: tl.constexpr, P_DTYPE: tl.constexpr, PV_F32: tl.constexpr, DOT_F32: tl.constexpr,
-    FIX_BF16: tl.constexpr,
+    hkv, HKV, length, sink_len, ring_len, start, stop,
+    MODE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HI_E: tl.constexpr, LO_BLOCK: tl.constexpr,
+    LO_NV: tl.constexpr, V_FP8: tl.constexpr, P_DTYPE: tl.constexpr, PV_F32: tl.constexpr,
+    HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """Online base-2 softmax over keys [start, stop) (``start`` a multiple of BLOCK_N,
     which divides TILE) in one MODE: low copies, high copies, or both with the format
     chosen per row (``row_high``). Every block is masked: key < length and, causally,
-    key <= the row's position."""
+    key <= the row's position. The cache pointers point at this batch row, so the
+    loop indexes in int32."""
     offs = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, D)
     for n0 in range(start, stop, BLOCK_N):
         t = n0 + offs
         t_ok = t < length
+        rows = t * HKV + hkv  # int32: the plan checks S * HKV * D < 2^31
         if MODE != _HIGH:
-            rows = (b * S + t).to(tl.int64) * HKV + hkv
-            s_lo = _scores(q_lo, q_lo_t, lo_codes, lo_scales, lo_token, rows, t_ok, D, BLOCK_N, 2, LO_M, LO_BLOCK,
-                           LO_NV, DOT_F32)
+            k_even, k_odd = _low_keys(lo_codes, lo_scales, rows, t_ok, D, BLOCK_N, LO_BLOCK, LO_NV, DOT_F32)
+            s_lo = _dot(q_even, k_even, DOT_F32) + _dot(q_odd, k_odd, DOT_F32)
+            if LO_NV:
+                # NVFP4's per-token scales s2 of the query row and of the key.
+                k_s2 = tl.load(lo_token + rows, mask=t_ok, other=1.0)
+                s_lo = (s_lo * q_s2[:, None]) * k_s2[None, :]
         if MODE != _LOW:
-            # A block lies inside one tile, and tiles map to consecutive slots.
+            # A block lies inside one tile, and a tile's positions have consecutive slots.
             slot0 = tl.where(n0 < sink_len, n0, sink_len + n0 % ring_len)
-            rows = (b * R + slot0 + offs).to(tl.int64) * HKV + hkv
-            s_hi = _scores(q_hi, q_hi_t, hi_codes, hi_scales, hi_codes, rows, t_ok, D, BLOCK_N, HI_E, HI_M, 32,
-                           False, DOT_F32)
+            hi_rows = (slot0 + offs) * HKV + hkv
+            s_hi = _dot(q_hi, _high_keys(hi_codes, hi_scales, hi_rows, t_ok, D, BLOCK_N, HI_E, HW_CVT, DOT_F32),
+                        DOT_F32)
         if MODE == _LOW:
             s = s_lo
         elif MODE == _HIGH:
@@ -140,41 +181,33 @@ def _decode_run(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_rows = (b * S + t).to(tl.int64) * HKV + hkv
-        if V_FP8:
-            # E4M3 values with one E8M0 scale per token: exact in bf16.
-            codes = tl.load(v_ptr + v_rows[:, None] * D + cols[None, :], mask=t_ok[:, None], other=0)
-            vs = tl.load(v_scale + v_rows, mask=t_ok, other=127).to(tl.int32)
-            v = element_value(codes.to(tl.int32), 4, 3) * pow2(tl.maximum(vs - 127, -126))[:, None]
-            v = tl.where((vs == 0xFF)[:, None], float("nan"), v)
-        else:
-            v = tl.load(v_ptr + v_rows[:, None] * D + cols[None, :], mask=t_ok[:, None], other=0.0)
         # P is rounded to the input dtype before P·V, as in the prefill kernel and the
         # reference; the row sum above uses the unrounded P.
         if P_DTYPE == "bfloat16":
             if FIX_BF16:
-                p_in = round_to_bf16(p).to(tl.bfloat16)
-            else:
-                p_in = p.to(tl.bfloat16)
+                p = round_to_bf16(p)
+            p = p.to(tl.bfloat16)
         elif P_DTYPE == "float16":
-            p_in = p.to(tl.float16)
+            p = p.to(tl.float16)
+        if V_FP8:
+            # E4M3 values with one E8M0 scale per token: the scale multiplies P's column
+            # (exact: a power of two), the values go in as they are.
+            codes = tl.load(v_ptr + rows[:, None] * D + cols[None, :], mask=t_ok[:, None], other=0)
+            vs = tl.load(v_scale + rows, mask=t_ok, other=127).to(tl.int32)
+            factor = tl.where(vs == 0xFF, float("nan"), pow2(tl.maximum(vs - 127, -126)))
+            p = p.to(tl.float32) * factor[None, :]
+            if not PV_F32:
+                p = p.to(tl.bfloat16)
+            v = _fp8(codes, 4, HW_CVT, PV_F32)
         else:
-            p_in = p
+            v = tl.load(v_ptr + rows[:, None] * D + cols[None, :], mask=t_ok[:, None], other=0.0)
         if PV_F32:
-            pv = tl.dot(p_in.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p_in, v.to(p_in.dtype), out_dtype=tl.float32)
+            pv = tl.dot(p, v.to(p.dtype), out_dtype=tl.float32)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
-
-
-@triton.jit
-def _prepare_q(codes_ptr, scales_ptr, token_ptr, rows, mask, D: tl.constexpr, BLOCK_M: tl.constexpr,
-               EXP_BITS: tl.constexpr, MAN_BITS: tl.constexpr, BLOCK: tl.constexpr, NV: tl.constexpr,
-               DOT_F32: tl.constexpr):
-    qv, qt = _decode_values(codes_ptr, scales_ptr, token_ptr, rows, mask, D, BLOCK_M, EXP_BITS, MAN_BITS, BLOCK, NV)
-    return _operand(qv, DOT_F32), qt
 
 
 @triton.jit
@@ -184,9 +217,9 @@ def _dma_decode_kernel(
     n_q, S, R, HQ, HKV, sink_len, ring_len, diag, sink, split_len,
     o_acc, o_m, o_l,
     D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HI_E: tl.constexpr, HI_M: tl.constexpr, LO_M: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NV: tl.constexpr,
-    HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, V_FP8: tl.constexpr, P_DTYPE: tl.constexpr,
-    PV_F32: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    HI_E: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NV: tl.constexpr,
+    HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, MIXED: tl.constexpr, V_FP8: tl.constexpr, P_DTYPE: tl.constexpr,
+    PV_F32: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     split = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -199,35 +232,39 @@ def _dma_decode_kernel(
     m_ok = r < n_q
     q_rows = ((b * n_q + r) * HQ + hkv * GROUP + m_rows % GROUP).to(tl.int64)
     q_pos = length - n_q + r
+    if DOT_F32:
+        placeholder = tl.zeros((BLOCK_M, D // 2), tl.float32)
+    else:
+        placeholder = tl.zeros((BLOCK_M, D // 2), tl.bfloat16)
+    q_hi = tl.join(placeholder, placeholder).reshape(BLOCK_M, D)
+    q_even, q_odd, q_s2 = placeholder, placeholder, tl.full((BLOCK_M,), 1.0, tl.float32)
     if HAS_HI:
-        q_hi, q_hi_t = _prepare_q(q_hi_codes, q_hi_scales, q_hi_codes, q_rows, m_ok, D, BLOCK_M, HI_E, HI_M, 32,
-                                  False, DOT_F32)
-    else:
-        q_hi, q_hi_t = tl.zeros((BLOCK_M, D), tl.float32), tl.zeros((BLOCK_M,), tl.float32)
+        q_hi = _high_keys(q_hi_codes, q_hi_scales, q_rows, m_ok, D, BLOCK_M, HI_E, HW_CVT, DOT_F32)
     if HAS_LO:
-        q_lo, q_lo_t = _prepare_q(q_lo_codes, q_lo_scales, q_lo_token, q_rows, m_ok, D, BLOCK_M, 2, LO_M, LO_BLOCK,
-                                  LO_NV, DOT_F32)
-    else:
-        q_lo, q_lo_t = q_hi, q_hi_t
+        q_even, q_odd = _low_keys(q_lo_codes, q_lo_scales, q_rows, m_ok, D, BLOCK_M, LO_BLOCK, LO_NV, DOT_F32)
+        if LO_NV:
+            q_s2 = tl.load(q_lo_token + q_rows, mask=m_ok, other=1.0)
 
     # Key tile t is high for row r when t < sink or (row tile) - t < diag: the band
-    # starts at tile (row tile) - diag + 1, later for later rows.
+    # starts at tile (row tile) - diag + 1, one tile later for rows past a tile edge.
     first_tile = (length - n_q) // _TILE
     last_tile = (length - 1) // _TILE
     sink_end = tl.minimum(sink * _TILE, length)
-    if HAS_LO and HAS_HI:
-        both_start = tl.maximum(tl.minimum((first_tile - diag + 1) * _TILE, length), sink_end)
-        band_start = tl.maximum(tl.minimum((last_tile - diag + 1) * _TILE, length), both_start)
-    elif HAS_HI:
-        sink_end = length
-        both_start = length
-        band_start = length
-    else:
-        sink_end = 0
-        both_start = length
-        band_start = length
-    # Rows of the mixed tile (at most one: both_start .. band_start) that are high.
+    both_start = tl.maximum(tl.minimum((first_tile - diag + 1) * _TILE, length), sink_end)
+    band_start = tl.maximum(tl.minimum((last_tile - diag + 1) * _TILE, length), both_start)
+    # In the mixed tile (both_start .. band_start, at most one), the rows that are high.
     row_high = ((q_pos // _TILE) - both_start // _TILE) < diag
+
+    # The cache arrays of batch row b: 64-bit offsets once, int32 indices in the loop.
+    row0 = b.to(tl.int64) * S * HKV
+    slot_row0 = b.to(tl.int64) * R * HKV
+    lo_codes += row0 * (D // 2)
+    lo_scales += row0 * (D // LO_BLOCK)
+    lo_token += row0  # placeholders (MXFP4's token scales, bf16 V's scales) are never read
+    v_scale += row0
+    v_ptr += row0 * D
+    hi_codes += slot_row0 * D
+    hi_scales += slot_row0 * (D // 32)
 
     lo = split * split_len
     hi = tl.minimum(lo + split_len, length)
@@ -235,24 +272,34 @@ def _dma_decode_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     # The runs in key order: sink (high), far (low), the mixed tile, the band (high).
-    acc, m_i, l_i = _decode_run(
-        acc, m_i, l_i, q_hi, q_hi_t, q_lo, q_lo_t, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
-        hi_scales, v_ptr, v_scale, b, hkv, S, R, HKV, length, sink_len, ring_len, lo, tl.minimum(sink_end, hi),
-        _HIGH, D, BLOCK_N, HI_E, HI_M, LO_M, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, DOT_F32, FIX_BF16)
-    acc, m_i, l_i = _decode_run(
-        acc, m_i, l_i, q_hi, q_hi_t, q_lo, q_lo_t, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
-        hi_scales, v_ptr, v_scale, b, hkv, S, R, HKV, length, sink_len, ring_len, tl.maximum(sink_end, lo),
-        tl.minimum(both_start, hi),
-        _LOW, D, BLOCK_N, HI_E, HI_M, LO_M, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, DOT_F32, FIX_BF16)
-    acc, m_i, l_i = _decode_run(
-        acc, m_i, l_i, q_hi, q_hi_t, q_lo, q_lo_t, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
-        hi_scales, v_ptr, v_scale, b, hkv, S, R, HKV, length, sink_len, ring_len, tl.maximum(both_start, lo),
-        tl.minimum(band_start, hi),
-        _BOTH, D, BLOCK_N, HI_E, HI_M, LO_M, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, DOT_F32, FIX_BF16)
-    acc, m_i, l_i = _decode_run(
-        acc, m_i, l_i, q_hi, q_hi_t, q_lo, q_lo_t, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
-        hi_scales, v_ptr, v_scale, b, hkv, S, R, HKV, length, sink_len, ring_len, tl.maximum(band_start, lo), hi,
-        _HIGH, D, BLOCK_N, HI_E, HI_M, LO_M, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, DOT_F32, FIX_BF16)
+    # Without high pairs everything is far; without low pairs everything is high. A
+    # mixed tile needs rows on both sides of a tile edge: never with one row (MIXED).
+    if HAS_HI and HAS_LO:
+        acc, m_i, l_i = _decode_run(
+            acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
+            hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, lo, tl.minimum(sink_end, hi),
+            _HIGH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
+        acc, m_i, l_i = _decode_run(
+            acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
+            hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, tl.maximum(sink_end, lo),
+            tl.minimum(both_start, hi),
+            _LOW, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
+        if MIXED:
+            acc, m_i, l_i = _decode_run(
+                acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
+                hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, tl.maximum(both_start, lo),
+                tl.minimum(band_start, hi),
+                _BOTH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
+        acc, m_i, l_i = _decode_run(
+            acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
+            hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, tl.maximum(band_start, lo), hi,
+            _HIGH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
+    else:
+        acc, m_i, l_i = _decode_run(
+            acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
+            hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, lo, hi,
+            _HIGH if HAS_HI else _LOW, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, HW_CVT, DOT_F32,
+            FIX_BF16)
     out = ((b * HKV + hkv) * n_split + split).to(tl.int64) * BLOCK_M + m_rows
     cols = tl.arange(0, D)
     tl.store(o_acc + out[:, None] * D + cols[None, :], acc)

@@ -379,12 +379,13 @@ CACHE_FIELDS = ("lo_codes", "lo_scales", "lo_token", "hi_codes", "hi_scales", "v
 
 def decode_plan(q: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len: int, ring_len: int,
                 v_fp8: bool, diag_tiles: int, sink_tiles: int, high: str, low: str, sm_scale: float,
-                high_rule: str | None = None, low_rule: str | None = None, rotate: bool = False) -> Plan:
+                high_rule: str | None = None, low_rule: str | None = None, rotate: bool = False,
+                launch: tuning.DecodeConfig = tuning.DECODE) -> Plan:
     """A decode step: the ``n_q`` new query rows ``q [B, n_q, HQ, D]`` (whose keys the
     cache already holds: row r of batch row b is at position ``length[b] - n_q + r``)
     against ``cache`` (``CACHE_FIELDS``, ``[B, S, HKV, ...]``). Q's dual quantization
     (codes only), the split decode kernel, the combine. ``sink_len``, ``ring_len``: the
-    cache's high slots (``geometry.cache_slots``)."""
+    cache's high slots (``geometry.cache_slots``); ``launch``: the kernel's settings."""
     b, n_q, hq, d = q.shape
     capacity, kv_heads = cache["lo_codes"].shape[1], cache["lo_codes"].shape[2]
     if n_q < 1 or n_q > TILE:
@@ -400,7 +401,7 @@ def decode_plan(q: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len
                          high_rule=high_rule, low_rule=low_rule, rotate=rotate)
     group = hq // kv_heads
     block_m = max(16, 1 << (group * n_q - 1).bit_length())
-    split_len = tuning.decode_split_len(b, kv_heads, capacity)
+    split_len = tuning.decode_split_len(b, kv_heads, capacity, launch)
     n_split = -(-capacity // split_len)
     hi, lo = FORMATS[high], FORMATS[low]
     partial = (b, kv_heads, n_split, block_m)
@@ -411,13 +412,12 @@ def decode_plan(q: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len
          _i32(sink), _i32(split_len)),
         (Buffer("acc", (*partial, d), "float32"), Buffer("row_max", partial, "float32"),
          Buffer("row_sum", partial, "float32")),
-        _meta(D=d, GROUP=group, BLOCK_M=block_m, BLOCK_N=tuning.DECODE_BLOCK_N, HI_E=hi.exp_bits, HI_M=hi.man_bits,
-              LO_M=lo.man_bits, LO_BLOCK=lo.block, LO_NV=low == "nvfp4", HAS_LO=has_lo, HAS_HI=has_hi,
-              V_FP8=v_fp8, P_DTYPE=q.dtype,
+        _meta(D=d, GROUP=group, BLOCK_M=block_m, BLOCK_N=launch.block_n, HI_E=hi.exp_bits, LO_BLOCK=lo.block,
+              LO_NV=low == "nvfp4", HAS_LO=has_lo, HAS_HI=has_hi, MIXED=n_q > 1, V_FP8=v_fp8, P_DTYPE=q.dtype,
               # fp32 P·V for fp32 inputs, and for fp16 with E4M3 V (not always an fp16 value).
               PV_F32=q.dtype == "float32" or (v_fp8 and q.dtype != "bfloat16") or target.interpret,
-              DOT_F32=target.interpret, FIX_BF16=target.interpret),
-        num_warps=tuning.DECODE_WARPS, num_stages=tuning.DECODE_STAGES)
+              HW_CVT=not target.interpret, DOT_F32=target.interpret, FIX_BF16=target.interpret),
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
     combine = Launch(dec._decode_combine_kernel, (kv_heads, b, 1),
                      ("acc", "row_max", "row_sum", _i32(n_q), _i32(hq), _i32(kv_heads), _i32(n_split)),
                      (Buffer("out", q.shape, q.dtype),), _meta(D=d, GROUP=group, BLOCK_M=block_m))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["LaunchConfig", "SM90_GLUON", "Sm90GluonConfig", "decode_split_len", "k_tile_tokens", "launch_config",
+__all__ = ["DECODE", "DecodeConfig", "LaunchConfig", "SM90_GLUON", "Sm90GluonConfig", "decode_split_len", "k_tile_tokens", "launch_config",
            "mean_chunk"]
 
 
@@ -125,21 +125,27 @@ def k_tile_tokens(shape: tuple[int, ...]) -> int:
     """Tokens per program of x ``[B, L, H, D]``'s per-tile FP8 copies."""
     return _tokens_per_program(shape, K_TILE_TOKENS, K_TILE_MIN_PROGRAMS)
 
-# The decode kernel (``triton_kernels.decode``): keys per step, programs to aim for
-# (two waves of an H100's 132 SMs) and the fewest key blocks a split takes, so that
-# loading and decoding Q stays small next to its keys.
-DECODE_BLOCK_N = 64
-DECODE_PROGRAMS = 264
-DECODE_MIN_BLOCKS = 4
-DECODE_WARPS = 4
-DECODE_STAGES = 2
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Settings of the decode kernel (``triton_kernels.decode``): keys per step, warps,
+    pipeline stages, and the programs to aim for when splitting the keys (at least
+    ``min_blocks`` key blocks per split, so that loading and decoding Q stays small
+    next to its keys)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    programs: int = 264
+    min_blocks: int = 4
 
 
-def decode_split_len(batch: int, kv_heads: int, capacity: int) -> int:
-    """Keys per program (a multiple of ``DECODE_BLOCK_N``) of a decode step over a
-    cache of ``capacity`` positions: enough splits for ``DECODE_PROGRAMS`` programs,
-    each of at least ``DECODE_MIN_BLOCKS`` blocks."""
-    blocks = -(-capacity // DECODE_BLOCK_N)
-    wanted = -(-DECODE_PROGRAMS // max(1, batch * kv_heads))
-    n_split = max(1, min(wanted, blocks // DECODE_MIN_BLOCKS))
-    return -(-blocks // n_split) * DECODE_BLOCK_N
+DECODE = DecodeConfig()
+
+
+def decode_split_len(batch: int, kv_heads: int, capacity: int, launch: DecodeConfig = DECODE) -> int:
+    """Keys per program (a multiple of ``launch.block_n``) of a decode step over a cache
+    of ``capacity`` positions: enough splits for ``launch.programs`` programs."""
+    blocks = -(-capacity // launch.block_n)
+    wanted = -(-launch.programs // max(1, batch * kv_heads))
+    n_split = max(1, min(wanted, blocks // launch.min_blocks))
+    return -(-blocks // n_split) * launch.block_n
