@@ -215,7 +215,7 @@ class LowBitKVCache:
         over ``context`` tokens when given, the high copies' slots."""
         config = config or DMAConfig()
         lo, hi = FORMATS[config.low], FORMATS[config.high]
-        per = head_dim // 2 + head_dim // lo.block + (4 if config.low == "nvfp4" else 0)
+        per: float = head_dim // 2 + head_dim // lo.block + (4 if config.low == "nvfp4" else 0)
         per += head_dim + 1 if v_format == "fp8" else head_dim * jnp.dtype(dtype).itemsize
         if context:
             sink_len, ring_len = cache_slots(context, config.sink_tiles, config.diag_tiles)
