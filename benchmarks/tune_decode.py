@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from decode import D, HQ, HKV, bf16_decode, random_cache, timed
 from dma_jax import executor
-from triton_kernels.plan import CACHE_FIELDS
+from triton_kernels.geometry import CACHE_FIELDS
 from triton_kernels.tuning import DecodeConfig
 
 

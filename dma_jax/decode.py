@@ -19,8 +19,7 @@ from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
-from triton_kernels.geometry import TILE, cache_slot
-from triton_kernels.plan import CACHE_FIELDS
+from triton_kernels.geometry import CACHE_FIELDS, TILE, cache_slot
 
 from .config import DMAConfig
 from .formats import Quantized, dequantize, dequantize_token_e4m3, quantize

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from triton_kernels import plan as plans
+from triton_kernels.geometry import CACHE_FIELDS
 from triton_kernels.plan import Buffer, Launch, Plan, Scalar
 from triton_kernels.target import Target
 
@@ -114,10 +115,10 @@ def triton_input_attention(q, k, v, *, causal: bool, sm_scale: float, q_offset: 
 def decode_plan(q, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring_len: int,
                 target: Target | None = None, **overrides: Any) -> Plan:
     """The launches of ``dma_decode`` for ``q`` and the cache's arrays
-    (``plan.CACHE_FIELDS`` order) on JAX's GPU (or ``target``); ``overrides`` as for
+    (``geometry.CACHE_FIELDS`` order) on JAX's GPU (or ``target``); ``overrides`` as for
     ``plan.decode_plan`` (``launch``)."""
     options = config.kernel_options(q.shape[3])
-    buffers = {f: buffer(f, x) for f, x in zip(plans.CACHE_FIELDS, cache)}
+    buffers = {f: buffer(f, x) for f, x in zip(CACHE_FIELDS, cache)}
     return plans.decode_plan(buffer("q", q), buffers, target or gpu_target(), sink_len=sink_len, ring_len=ring_len,
                              v_fp8=v_fp8, **{k: options[k] for k in ("diag_tiles", "sink_tiles", "high", "low",
                                                                      "sm_scale", "high_rule", "low_rule",
@@ -127,4 +128,4 @@ def decode_plan(q, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring_l
 def triton_decode(q, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring_len: int):
     """DMA decode through the Triton kernels; same contract as ``decode.decode_reference``."""
     plan = decode_plan(q, *cache, config=config, v_fp8=v_fp8, sink_len=sink_len, ring_len=ring_len)
-    return run(plan.launches, {"q": q, **dict(zip(plans.CACHE_FIELDS, cache))})[plan.result]
+    return run(plan.launches, {"q": q, **dict(zip(CACHE_FIELDS, cache))})[plan.result]

@@ -73,7 +73,7 @@ def torch_cache(cache):
     """The cache's arrays as CPU torch tensors (``plan.CACHE_FIELDS``), V in its dtype."""
     import torch
 
-    from triton_kernels.plan import CACHE_FIELDS
+    from triton_kernels.geometry import CACHE_FIELDS
 
     out = {}
     for f in CACHE_FIELDS:

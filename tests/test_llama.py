@@ -274,8 +274,11 @@ def test_bad_checkpoints(tmp_path):
 def test_bad_attention_names_and_configs(tmp_path):
     with pytest.raises(ValueError, match="unknown attention 'flash'"):
         AttentionSpec.named("flash")
-    with pytest.raises(ValueError, match=r"decode attention must be one of \('exact', 'xla', 'bf16', 'cudnn'\); got 'dma'"):
-        AttentionSpec(prefill="dma", decode="dma")
+    with pytest.raises(ValueError, match=r"decode attention must be one of \('exact', 'xla', 'bf16', 'cudnn', 'dma'\); "
+                                         r"got 'flash'"):
+        AttentionSpec(prefill="dma", decode="flash")
+    with pytest.raises(ValueError, match=r"kv_cache must be one of \('input', 'fp8'\); got 'int4'"):
+        AttentionSpec(decode="dma", kv_cache="int4")
     assert AttentionSpec.named("dma").decode == "exact"  # the paper's setting
     assert AttentionSpec.named("bf16").decode == "bf16"
     cfg = json.loads(open(tiny_hf(tmp_path)[1] + "/config.json").read())

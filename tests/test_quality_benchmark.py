@@ -28,7 +28,7 @@ QUICK = ["DMA default (diag 1, sink 1)"]
 
 
 @pytest.mark.parametrize("configs", [
-    pytest.param(QUICK, id="default_only"),
+    pytest.param(QUICK, id="default_only", marks=pytest.mark.slow),
     pytest.param(None, id="every_config", marks=pytest.mark.slow),
 ])
 def test_quality_benchmark_tiny(tmp_path, capsys, configs):

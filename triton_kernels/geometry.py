@@ -5,7 +5,7 @@ torch): the jnp reference, the launch plan and the tests read it.
 
 from __future__ import annotations
 
-__all__ = ["TILE", "all_high", "band_covering_all", "cache_slot", "cache_slots", "check_extent", "padded_length",
+__all__ = ["CACHE_FIELDS", "TILE", "all_high", "band_covering_all", "cache_slot", "cache_slots", "check_extent", "padded_length",
            "pair_is_high", "query_blocks"]
 
 # Tokens per tile of the high/low classification. The kernels' query and key blocks
@@ -58,6 +58,13 @@ def padded_length(length: int) -> int:
     """The row length of V's transposed FP8 copy: a multiple of 16 bytes, so that every
     row starts 16-byte aligned and loads vectorize."""
     return -(-length // 16) * 16
+
+
+# The arrays of a low-bit KV cache (``dma_jax.kv_cache.LowBitKVCache``), in the order the
+# decode launch takes them: the low copy of every key (codes, block scales, NVFP4's
+# per-token scale), the high copy of the sink and band keys (``cache_slots``), V (input
+# dtype, or E4M3 codes with one E8M0 scale per token) and each row's filled length.
+CACHE_FIELDS = ("lo_codes", "lo_scales", "lo_token", "hi_codes", "hi_scales", "v", "v_scale", "length")
 
 
 def cache_slots(capacity: int, sink_tiles: int, diag_tiles: int) -> tuple[int, int]:

@@ -24,7 +24,7 @@ from . import decode as dec
 from . import quantize as quant
 from . import tuning
 from .format_table import FORMATS, check_rule
-from .geometry import TILE, all_high, band_covering_all, check_extent, padded_length, query_blocks
+from .geometry import CACHE_FIELDS, TILE, all_high, band_covering_all, check_extent, padded_length, query_blocks
 from .target import Target, resolve_native, uses_sm90_kernel
 
 __all__ = ["Buffer", "CACHE_FIELDS", "Launch", "OPERAND_FIELDS", "Plan", "Scalar", "attention_plan",
@@ -369,13 +369,6 @@ def input_attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, cau
 
 
 # -- decode ---------------------------------------------------------------------------
-
-# The arrays of a low-bit KV cache (``dma_jax.kv_cache.LowBitKVCache``), as the decode
-# kernel takes them: the low copy of every key (codes, block scales, NVFP4's per-token
-# scale), the high copy of the keys in the sink and band slots, V (input dtype, or
-# E4M3 codes with one E8M0 scale per token) and each row's filled length.
-CACHE_FIELDS = ("lo_codes", "lo_scales", "lo_token", "hi_codes", "hi_scales", "v", "v_scale", "length")
-
 
 def decode_plan(q: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len: int, ring_len: int,
                 v_fp8: bool, diag_tiles: int, sink_tiles: int, high: str, low: str, sm_scale: float,

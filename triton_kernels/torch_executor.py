@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import plan as plans
+from .geometry import CACHE_FIELDS
 from .plan import Buffer, Launch, Plan, Scalar
 from .target import Target, interpreting
 from .tuning import LaunchConfig
@@ -153,10 +154,10 @@ def input_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 def dma_decode(q: torch.Tensor, cache: dict[str, torch.Tensor], *, sink_len: int, ring_len: int, v_fp8: bool,
                **options: Any) -> torch.Tensor:
     """A decode step of ``q [B, n, HQ, D]`` over a low-bit KV cache's tensors
-    (``plan.CACHE_FIELDS``): ``plan.decode_plan``'s launches. ``options``: its keywords
+    (``geometry.CACHE_FIELDS``): ``plan.decode_plan``'s launches. ``options``: its keywords
     (``diag_tiles``, ``sink_tiles``, ``high``, ``low``, ``sm_scale``, ...)."""
     q = _contiguous("q", q)
-    cache = {f: _contiguous(f, cache[f]) for f in plans.CACHE_FIELDS}
+    cache = {f: _contiguous(f, cache[f]) for f in CACHE_FIELDS}
     plan = plans.decode_plan(buffer("q", q), {f: buffer(f, t) for f, t in cache.items()}, target_of(q.device),
                              sink_len=sink_len, ring_len=ring_len, v_fp8=v_fp8, **options)
     return execute(plan, q=q, **cache)
