@@ -141,6 +141,13 @@ class DMAConfig:
                     high_rule=self.scale_rules[0], low_rule=self.scale_rules[1], rotate=self.rotate == "hadamard",
                     nvfp4_copy=self.nvfp4_copy, native=self.native)
 
+    def decode_options(self, head_dim: int) -> dict:
+        """The keywords of ``triton_kernels.plan.decode_plan`` for this config (those of
+        ``kernel_options`` that a decode step reads)."""
+        options = self.kernel_options(head_dim)
+        return {k: options[k] for k in ("diag_tiles", "sink_tiles", "high", "low", "sm_scale", "high_rule",
+                                        "low_rule", "rotate")}
+
     @property
     def scale_rules(self) -> tuple[str, str]:
         """The block-scale rules of the high and the low copies, defaults resolved."""

@@ -10,11 +10,8 @@ query and key, exactly as in prefill.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
@@ -22,10 +19,9 @@ from jax.interpreters import ad, mlir
 from triton_kernels.geometry import CACHE_FIELDS, TILE, cache_slot
 
 from .config import DMAConfig
-from .formats import Quantized, dequantize, dequantize_token_e4m3, quantize
+from .formats import Quantized, dequantize, dequantize_token_e4m3
 from .kv_cache import LowBitKVCache
-from .reference import pair_is_high
-from .rotation import hadamard
+from .reference import _dequantized, pair_is_high, scaled_queries
 from .validation import dtype_name
 
 __all__ = ["decode_attention", "dma_decode_p"]
@@ -41,13 +37,6 @@ def _abstract_eval(q, *cache, config, v_fp8, sink_len, ring_len):
     return jax.core.ShapedArray(q.shape, q.dtype)
 
 
-def _queries(q: jax.Array, fmt: str, rule: str, fold: np.float32, rotate: bool) -> jax.Array:
-    q32 = q.astype(jnp.float32)
-    if rotate:
-        q32 = hadamard(q32)
-    return dequantize(quantize(q32 * fold, fmt, rule), fmt)
-
-
 def decode_reference(q, lo_codes, lo_scales, lo_token, hi_codes, hi_scales, v, v_scale, length, *,
                      config: DMAConfig, v_fp8: bool, sink_len: int, ring_len: int) -> jax.Array:
     """The jnp body of ``dma_decode``: every cached key decoded to float32, scores in
@@ -55,10 +44,7 @@ def decode_reference(q, lo_codes, lo_scales, lo_token, hi_codes, hi_scales, v, v
     ``reference.dma_reference``."""
     b, n, hq, d = q.shape
     capacity, hkv = lo_codes.shape[1], lo_codes.shape[2]
-    rotate = config.rotate == "hadamard"
-    fold = np.float32(config.softmax_scale(d) * math.log2(math.e))
-    if rotate:
-        fold = fold / np.float32(d)
+    q32 = scaled_queries(q, config)
     hi_rule, lo_rule = config.scale_rules
     groups = hq // hkv
 
@@ -72,7 +58,7 @@ def decode_reference(q, lo_codes, lo_scales, lo_token, hi_codes, hi_scales, v, v
     q_pos = (length[:, None] - n + jnp.arange(n)[None, :])[:, None, None, :, None]  # [B, 1, 1, n, 1]
 
     def scores(fmt, rule, keys):
-        qx = grouped(_queries(q, fmt, rule, fold, rotate))
+        qx = grouped(_dequantized(q32, fmt, rule, "exact"))
         return jnp.einsum("bqhgd,bkhd->bhgqk", qx, keys, precision=_HIGHEST)
 
     high = pair_is_high(q_pos, k_pos, causal=True, config=config)

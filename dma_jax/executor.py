@@ -117,12 +117,9 @@ def decode_plan(q, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring_l
     """The launches of ``dma_decode`` for ``q`` and the cache's arrays
     (``geometry.CACHE_FIELDS`` order) on JAX's GPU (or ``target``); ``overrides`` as for
     ``plan.decode_plan`` (``launch``)."""
-    options = config.kernel_options(q.shape[3])
     buffers = {f: buffer(f, x) for f, x in zip(CACHE_FIELDS, cache)}
     return plans.decode_plan(buffer("q", q), buffers, target or gpu_target(), sink_len=sink_len, ring_len=ring_len,
-                             v_fp8=v_fp8, **{k: options[k] for k in ("diag_tiles", "sink_tiles", "high", "low",
-                                                                     "sm_scale", "high_rule", "low_rule",
-                                                                     "rotate")}, **overrides)
+                             v_fp8=v_fp8, **config.decode_options(q.shape[3]), **overrides)
 
 
 def triton_decode(q, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring_len: int):

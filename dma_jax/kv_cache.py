@@ -17,6 +17,7 @@ k_mean=cache.k_mean)`` on the full sequence gives the same numbers.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -140,11 +141,20 @@ class LowBitKVCache:
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"{what}: k and v must have the same number of tokens; got {k.shape[1]} and {v.shape[1]}")
 
-    def _values(self, v: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    def _encoded(self, k: jax.Array, v: jax.Array, mean: jax.Array) -> dict[str, jax.Array]:
+        """New tokens' arrays by field: the low and high key copies after smooth-K's
+        ``mean`` and the rotation, and the values; NVFP4's token scale and the FP8
+        values' scale only where the cache stores them."""
+        lo, hi = _keys(jnp.asarray(k), mean, self.config)
+        out = {"lo_codes": lo.codes, "lo_scales": lo.scales, "hi_codes": hi.codes, "hi_scales": hi.scales}
+        if lo.token_scale is not None:
+            out["lo_token"] = lo.token_scale
         if self.v_format == "fp8":
-            q = quantize_token_e4m3(v)
-            return q.codes, q.scales
-        return v.astype(self.dtype), None
+            values = quantize_token_e4m3(v)
+            out["v"], out["v_scale"] = values.codes, values.scales
+        else:
+            out["v"] = jnp.asarray(v).astype(self.dtype)
+        return out
 
     def write(self, k: jax.Array, v: jax.Array, lengths: jax.Array | None = None) -> "LowBitKVCache":
         """The cache holding a prompt's keys and values ``[B, T, H, D]`` at positions
@@ -155,19 +165,11 @@ class LowBitKVCache:
         if t > self.capacity:
             raise ValueError(f"write: {t} tokens do not fit a cache of capacity {self.capacity}")
         lengths = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
-        k = jnp.asarray(k)
-        valid = (jnp.arange(t)[None, :] < lengths[:, None])[..., None, None]
+        mean = self.k_mean
         if self.config.smooth_k:
             # Padding counts as non-finite: the mean is over each row's prompt only.
-            mean = smoothing_mean(jnp.where(valid, k.astype(jnp.float32), jnp.nan))[:, 0]
-        else:
-            mean = self.k_mean
-        lo, hi = _keys(k, mean, self.config)
-        vals, v_scale = self._values(jnp.asarray(v))
-
-        def put(buf, x):
-            return jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), 0, axis=1)
-
+            valid = (jnp.arange(t)[None, :] < lengths[:, None])[..., None, None]
+            mean = smoothing_mean(jnp.where(valid, jnp.asarray(k).astype(jnp.float32), jnp.nan))[:, 0]
         # Slot j of the high copies holds the latest prompt position that maps to it.
         sink_len, ring_len = self.slots
         j = jnp.arange(sink_len + ring_len)
@@ -175,13 +177,12 @@ class LowBitKVCache:
         latest = r + ring_len * (jnp.maximum(lengths[:, None] - 1 - r, 0) // ring_len)
         pos = jnp.clip(jnp.where(j < sink_len, j, latest), 0, t - 1)  # [B, R]
         rows = jnp.arange(b)[:, None]
-        return dataclasses.replace(
-            self,
-            lo_codes=put(self.lo_codes, lo.codes), lo_scales=put(self.lo_scales, lo.scales),
-            lo_token=put(self.lo_token, lo.token_scale) if lo.token_scale is not None else self.lo_token,
-            hi_codes=hi.codes[rows, pos], hi_scales=hi.scales[rows, pos],
-            v=put(self.v, vals), v_scale=put(self.v_scale, v_scale) if v_scale is not None else self.v_scale,
-            k_mean=mean, length=lengths)
+        placed: dict[str, Any] = {}
+        for f, x in self._encoded(k, v, mean).items():
+            buf = getattr(self, f)
+            placed[f] = x[rows, pos] if f.startswith("hi_") else \
+                jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), 0, axis=1)
+        return dataclasses.replace(self, **placed, k_mean=mean, length=lengths)
 
     def append(self, k: jax.Array, v: jax.Array) -> "LowBitKVCache":
         """The cache with ``n`` new tokens per row ``[B, n, H, D]`` written at each row's
@@ -191,22 +192,14 @@ class LowBitKVCache:
         b, n = k.shape[:2]
         if not 1 <= n <= TILE:
             raise ValueError(f"append takes 1 to {TILE} tokens per row; got {n}")
-        lo, hi = _keys(jnp.asarray(k), self.k_mean, self.config)
-        vals, v_scale = self._values(jnp.asarray(v))
         pos = self.length[:, None] + jnp.arange(n)[None, :]
-        rows = jnp.arange(b)[:, None]
         slot = cache_slot(pos, *self.slots)
-
-        def put(buf, x, at):
-            return buf.at[rows, at].set(x.astype(buf.dtype), mode="drop")
-
-        return dataclasses.replace(
-            self,
-            lo_codes=put(self.lo_codes, lo.codes, pos), lo_scales=put(self.lo_scales, lo.scales, pos),
-            lo_token=put(self.lo_token, lo.token_scale, pos) if lo.token_scale is not None else self.lo_token,
-            hi_codes=put(self.hi_codes, hi.codes, slot), hi_scales=put(self.hi_scales, hi.scales, slot),
-            v=put(self.v, vals, pos), v_scale=put(self.v_scale, v_scale, pos) if v_scale is not None else self.v_scale,
-            length=self.length + n)
+        rows = jnp.arange(b)[:, None]
+        placed: dict[str, Any] = {}
+        for f, x in self._encoded(k, v, self.k_mean).items():
+            buf = getattr(self, f)
+            placed[f] = buf.at[rows, slot if f.startswith("hi_") else pos].set(x.astype(buf.dtype), mode="drop")
+        return dataclasses.replace(self, **placed, length=self.length + n)
 
     @staticmethod
     def bytes_per_token(head_dim: int, *, config: DMAConfig | None = None, v_format: str = "input",

@@ -162,6 +162,18 @@ def smoothing_mean(k: jax.Array) -> jax.Array:
     return total / jnp.maximum(jnp.sum(ok, axis=1, keepdims=True), 1).astype(jnp.float32)
 
 
+def scaled_queries(q: jax.Array, config: DMAConfig) -> jax.Array:
+    """Q in float32 as its quantization sees it: rotated with ``config.rotate``, times
+    the softmax scale and log2(e) (the softmax runs in base 2) and, with the rotation,
+    1/head_dim: (q·H)(k·H)ᵀ = D · q·kᵀ, an exact power of two."""
+    dim = q.shape[-1]
+    fold = np.float32(config.softmax_scale(dim) * math.log2(math.e))
+    q32 = q.astype(jnp.float32)
+    if config.rotate == "hadamard":
+        q32, fold = hadamard(q32), fold / np.float32(dim)
+    return q32 * fold
+
+
 def dma_reference(
     q: jax.Array,
     k: jax.Array,
@@ -182,16 +194,13 @@ def dma_reference(
     """
     if operands not in OPERANDS:
         raise ValueError(f"operands must be one of {OPERANDS}; got {operands!r}")
-    q_len, kv_len, dim = q.shape[1], k.shape[1], q.shape[3]
+    q_len, kv_len = q.shape[1], k.shape[1]
     k32 = k.astype(jnp.float32)
     if config.smooth_k:
         k32 = k32 - (smoothing_mean(k32) if k_mean is None else k_mean.astype(jnp.float32))
-    fold = np.float32(config.softmax_scale(dim) * math.log2(math.e))
-    q32 = q.astype(jnp.float32)
+    q32 = scaled_queries(q, config)
     if config.rotate == "hadamard":
-        # (q·H)(k·H)ᵀ = D · q·kᵀ: the exact power of two 1/D goes into the fold.
-        q32, k32, fold = hadamard(q32), hadamard(k32), fold / np.float32(dim)
-    q32 = q32 * fold
+        k32 = hadamard(k32)
     hi_rule, lo_rule = config.scale_rules
     # sm_90 multiplies NVFP4 tiles from exact bf16 copies unless told to round them to E4M3.
     lo_operands = "exact" if config.low == "nvfp4" and config.nvfp4_copy == "bf16" else operands

@@ -90,10 +90,8 @@ def kernel_decode(q, cache):
 
     from triton_kernels.torch_executor import dma_decode
 
-    options = cache.config.kernel_options(q.shape[3])
     tq = torch.from_numpy(np.array(q.astype(jnp.float32))).to(getattr(torch, cache.dtype))
     sink_len, ring_len = cache.slots
     out = dma_decode(tq, torch_cache(cache), sink_len=sink_len, ring_len=ring_len, v_fp8=cache.v_format == "fp8",
-                     **{k: options[k] for k in ("diag_tiles", "sink_tiles", "high", "low", "sm_scale", "high_rule",
-                                                "low_rule", "rotate")})
+                     **cache.config.decode_options(q.shape[3]))
     return out.float().numpy()

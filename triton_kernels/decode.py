@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .geometry import TILE
-from .mx import element_value, pow2, round_to_bf16
+from .mx import e4m3_value, element_value, pow2, round_to_bf16
 
 _TILE = tl.constexpr(TILE)
 
@@ -87,7 +87,7 @@ def _block_scales(scales_ptr, rows, mask, NB: tl.constexpr, NV: tl.constexpr):
     cols = tl.arange(0, NB)
     sc = tl.load(scales_ptr + rows[:, None] * NB + cols[None, :], mask=mask[:, None], other=0).to(tl.int32)
     if NV:
-        return tl.where(sc == 0x7F, float("nan"), element_value(sc, 4, 3))
+        return tl.where(sc == 0x7F, float("nan"), e4m3_value(sc))
     else:
         return tl.where(sc == 0xFF, float("nan"), pow2(tl.maximum(sc - 127, -126)))
 

@@ -5,8 +5,8 @@ torch): the jnp reference, the launch plan and the tests read it.
 
 from __future__ import annotations
 
-__all__ = ["CACHE_FIELDS", "TILE", "all_high", "band_covering_all", "cache_slot", "cache_slots", "check_extent", "padded_length",
-           "pair_is_high", "query_blocks"]
+__all__ = ["CACHE_FIELDS", "TILE", "all_high", "band_covering_all", "cache_slot", "cache_slots", "check_extent",
+           "padded_length", "pair_is_high", "query_blocks"]
 
 # Tokens per tile of the high/low classification. The kernels' query and key blocks
 # divide it, so a block pair is entirely high or entirely low precision; K's FP8 copy

@@ -27,9 +27,8 @@ from .format_table import FORMATS, check_rule
 from .geometry import CACHE_FIELDS, TILE, all_high, band_covering_all, check_extent, padded_length, query_blocks
 from .target import Target, resolve_native, uses_sm90_kernel
 
-__all__ = ["Buffer", "CACHE_FIELDS", "Launch", "OPERAND_FIELDS", "Plan", "Scalar", "attention_plan",
-           "channel_mean_plan", "decode_plan",
-           "fp8_transpose_plan", "input_attention_plan", "quantize_plan", "softmax_fold"]
+__all__ = ["Buffer", "Launch", "OPERAND_FIELDS", "Plan", "Scalar", "attention_plan", "channel_mean_plan",
+           "decode_plan", "fp8_transpose_plan", "input_attention_plan", "query_fold", "quantize_plan", "softmax_fold"]
 
 # The nine outputs of a dual quantization, as the attention kernels take them per operand.
 OPERAND_FIELDS = ("hi_codes", "hi_scales", "lo_codes", "lo_scales", "lo_token_scale", "hi_f8", "hi_ts", "lo_f8", "lo_ts")
@@ -98,6 +97,12 @@ def _meta(**constexprs: Any) -> tuple[tuple[str, Any], ...]:
 def softmax_fold(sm_scale: float) -> float:
     """The float32 factor ``sm_scale · log2(e)`` folded into Q (softmax in base 2)."""
     return float(np.float32(sm_scale * math.log2(math.e)))
+
+
+def query_fold(sm_scale: float, head_dim: int, rotate: bool) -> float:
+    """The factor Q's quantize launch folds in: ``softmax_fold``, and with the rotation
+    1/head_dim ((q·H)(k·H)ᵀ = D · q·kᵀ, an exact power of two)."""
+    return softmax_fold(sm_scale) / (head_dim if rotate else 1)
 
 
 def ftz_multiplier(f: float) -> bool:
@@ -327,8 +332,7 @@ def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: b
         sums = _channel_reduce(k, "k_sums", amax=False)
         launches.append(sums)
         mean = ("k_sums", "k_sums_count", sums.grid[0])
-    # (q·H)(k·H)ᵀ = D · q·kᵀ: the rotation's exact factor 1/D joins the fold.
-    fold = softmax_fold(sm_scale) / (d if rotate else 1)
+    fold = query_fold(sm_scale, d, rotate)
     launches.append(_quantize(q, "q", target, fold=fold, **copies))
     # K's FP8 copies carry one scale per key tile (formats.fp8_per_tile).
     launches.append(_quantize(k, "k", target, mean=mean, per_tile=fp8, **copies))
@@ -389,8 +393,7 @@ def decode_plan(q: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len
     diag, sink = min(diag_tiles, tiles + 1), min(sink_tiles, tiles)
     has_lo = not all_high(1, capacity, capacity - 1, diag)
     has_hi = diag > 0 or sink > 0
-    fold = softmax_fold(sm_scale) / (d if rotate else 1)
-    quantize = _quantize(q, "q", target, fold=fold, high=high, low=low, codes=True, fp8=False, write_lo=has_lo,
+    quantize = _quantize(q, "q", target, fold=query_fold(sm_scale, d, rotate), high=high, low=low, codes=True, fp8=False, write_lo=has_lo,
                          high_rule=high_rule, low_rule=low_rule, rotate=rotate)
     group = hq // kv_heads
     block_m = max(16, 1 << (group * n_q - 1).bit_length())
