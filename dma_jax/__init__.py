@@ -6,7 +6,7 @@ from .formats import FORMATS, Quantized, dequantize, quantize
 from .kv_cache import LowBitKVCache
 from .primitive import attention
 from .reference import exact_attention, reference_attention
-from .torch_frontend import torch_attention
+from .torch_frontend import torch_attention, torch_decode_attention
 from . import bridge
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "quantize",
     "reference_attention",
     "torch_attention",
+    "torch_decode_attention",
     "bridge",
 ]
 __version__ = "0.1.0"

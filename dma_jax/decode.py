@@ -10,6 +10,8 @@ query and key, exactly as in prefill.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax._src import dispatch
@@ -24,7 +26,7 @@ from .kv_cache import LowBitKVCache
 from .reference import _dequantized, pair_is_high, scaled_queries
 from .validation import dtype_name
 
-__all__ = ["decode_attention", "dma_decode_p"]
+__all__ = ["check_decode_inputs", "decode_attention", "dma_decode_p"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -110,6 +112,16 @@ def decode_attention(q: jax.Array, cache: LowBitKVCache) -> jax.Array:
 
     Returns ``[batch, n, q_heads, head_dim]`` in ``q``'s dtype.
     """
+    check_decode_inputs(q, cache)
+    sink_len, ring_len = cache.slots
+    arrays = [getattr(cache, f) for f in CACHE_FIELDS]
+    return dma_decode_p.bind(jnp.asarray(q), *arrays, config=cache.config, v_fp8=cache.v_format == "fp8",
+                             sink_len=sink_len, ring_len=ring_len)
+
+
+def check_decode_inputs(q: Any, cache: LowBitKVCache) -> None:
+    """Raise ``TypeError``/``ValueError`` for the first way ``q`` (a JAX, numpy or torch
+    array) does not fit a decode step over ``cache``."""
     if not isinstance(cache, LowBitKVCache):
         raise TypeError(f"cache must be a dma_jax.LowBitKVCache; got {type(cache).__name__}")
     shape = tuple(getattr(q, "shape", ()))
@@ -120,10 +132,6 @@ def decode_attention(q: jax.Array, cache: LowBitKVCache) -> jax.Array:
     if shape[2] % hkv:
         raise ValueError(f"q_heads must be a multiple of the cache's kv_heads={hkv}; got {shape[2]}")
     if not 1 <= shape[1] <= TILE:
-        raise ValueError(f"decode_attention takes 1 to {TILE} new query rows; got {shape[1]}")
+        raise ValueError(f"a decode step takes 1 to {TILE} new query rows; got {shape[1]}")
     if dtype_name(q) != cache.dtype:
         raise TypeError(f"q must have the cache's dtype {cache.dtype}; got {dtype_name(q)}")
-    sink_len, ring_len = cache.slots
-    arrays = [getattr(cache, f) for f in CACHE_FIELDS]
-    return dma_decode_p.bind(jnp.asarray(q), *arrays, config=cache.config, v_fp8=cache.v_format == "fp8",
-                             sink_len=sink_len, ring_len=ring_len)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from . import bridge
 from .config import DMAConfig
+from .decode import check_decode_inputs
+from .kv_cache import LowBitKVCache
 from .validation import check_attention_inputs, resolve_q_offset
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["torch_attention"]
+__all__ = ["torch_attention", "torch_decode_attention"]
 
 
 def torch_attention(
@@ -39,11 +42,7 @@ def torch_attention(
             raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
     if len({x.device for x in (q, k, v)}) != 1:
         raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if not q.is_cuda and not interpreting():
-        raise ValueError(
-            f"torch_attention runs a Triton kernel and needs CUDA tensors; got device "
-            f"{q.device} (set TRITON_INTERPRET=1 to run Triton's interpreter on CPU)"
-        )
+    _check_device("torch_attention", q.device, interpreting())
     if q.shape[0] == 0:  # an empty batch, as dma_jax.attention returns it
         return torch.zeros_like(q)
     config = config or DMAConfig()
@@ -52,3 +51,40 @@ def torch_attention(
     with torch.no_grad():
         plan = attention_plan(q, k, v, causal=causal, q_offset=offset, **config.kernel_options(q.shape[3]))
         return execute(plan, q=q, k=k, v=v)
+
+
+def torch_decode_attention(q: "torch.Tensor", cache: LowBitKVCache) -> "torch.Tensor":
+    """:func:`dma_jax.decode_attention` for a torch query: the same kernels and numbers.
+
+    ``q [batch, n, q_heads, head_dim]`` holds the queries of each row's last ``n``
+    positions, already appended to ``cache`` (a :class:`dma_jax.LowBitKVCache` of JAX
+    arrays, on the same device as ``q``). The cache's buffers are handed to torch
+    through DLPack without a copy. Returns ``[batch, n, q_heads, head_dim]`` in ``q``'s
+    dtype (inference only: no autograd).
+    """
+    import torch
+
+    from triton_kernels.geometry import CACHE_FIELDS
+    from triton_kernels.target import interpreting
+    from triton_kernels.torch_executor import dma_decode
+
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor; got {type(q).__name__}")
+    check_decode_inputs(q, cache)
+    arrays = {f: bridge.to_torch(getattr(cache, f)) for f in CACHE_FIELDS}
+    if arrays["lo_codes"].device != q.device:
+        raise ValueError(f"q and the cache must be on one device; got {q.device} and {arrays['lo_codes'].device}")
+    _check_device("torch_decode_attention", q.device, interpreting())
+    sink_len, ring_len = cache.slots
+    with torch.no_grad():
+        return dma_decode(q, arrays, sink_len=sink_len, ring_len=ring_len, v_fp8=cache.v_format == "fp8",
+                          **cache.config.decode_options(q.shape[3]))
+
+
+def _check_device(name: str, device: "torch.device", interpreter: bool) -> None:
+    """Triton's kernels need CUDA tensors, or Triton's interpreter for CPU ones."""
+    if device.type != "cuda" and not interpreter:
+        raise ValueError(
+            f"{name} runs a Triton kernel and needs CUDA tensors; got device "
+            f"{device} (set TRITON_INTERPRET=1 to run Triton's interpreter on CPU)"
+        )

@@ -69,29 +69,12 @@ def rel_l2(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def torch_cache(cache):
-    """The cache's arrays as CPU torch tensors (``plan.CACHE_FIELDS``), V in its dtype."""
-    import torch
-
-    from triton_kernels.geometry import CACHE_FIELDS
-
-    out = {}
-    for f in CACHE_FIELDS:
-        x = getattr(cache, f)
-        t = torch.from_numpy(np.array(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x))
-        out[f] = t.to(torch.bfloat16) if x.dtype == jnp.bfloat16 else t
-    return out
-
-
 def kernel_decode(q, cache):
-    """A decode step through ``triton_kernels.torch_executor`` (the interpreter on the
-    CPU), float32 ``[B, n, HQ, D]``."""
+    """A decode step through ``dma_jax.torch_decode_attention`` (Triton's interpreter on
+    the CPU, the cache handed over by DLPack), float32 ``[B, n, HQ, D]``."""
     import torch
 
-    from triton_kernels.torch_executor import dma_decode
+    from dma_jax import torch_decode_attention
 
     tq = torch.from_numpy(np.array(q.astype(jnp.float32))).to(getattr(torch, cache.dtype))
-    sink_len, ring_len = cache.slots
-    out = dma_decode(tq, torch_cache(cache), sink_len=sink_len, ring_len=ring_len, v_fp8=cache.v_format == "fp8",
-                     **cache.config.decode_options(q.shape[3]))
-    return out.float().numpy()
+    return torch_decode_attention(tq, cache).float().numpy()

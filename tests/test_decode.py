@@ -135,6 +135,28 @@ def test_bad_inputs_are_named(make, message):
         make(cache, q)
 
 
+def test_torch_decode_bad_inputs_are_named(monkeypatch):
+    """The torch entry point checks what decode_attention checks, and that q is a torch
+    tensor on the cache's device that a Triton kernel can read."""
+    import torch
+
+    from dma_jax import torch_decode_attention
+
+    cache = jax.device_put(LowBitKVCache.empty(1, 256, 1, 64), jax.devices("cpu")[0])
+    q = torch.zeros(1, 1, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor; got Array"):
+        torch_decode_attention(jnp.zeros((1, 1, 2, 64), jnp.bfloat16), cache)
+    with pytest.raises(TypeError, match="cache's dtype bfloat16; got float16"):
+        torch_decode_attention(q.half(), cache)
+    with pytest.raises(ValueError, match="head_dim=64"):
+        torch_decode_attention(q[..., :32], cache)
+    with pytest.raises(ValueError, match="one device; got meta and cpu"):
+        torch_decode_attention(q.to("meta"), cache)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="torch_decode_attention runs a Triton kernel and needs CUDA tensors"):
+        torch_decode_attention(q, cache)
+
+
 def test_cache_passes_through_jit_with_its_config_static():
     """A LowBitKVCache is a pytree whose config is static: jit traces its arrays only."""
     cache = LowBitKVCache.empty(1, 256, 1, 64, config=DMAConfig(diag_tiles=2))

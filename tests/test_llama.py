@@ -279,6 +279,9 @@ def test_bad_attention_names_and_configs(tmp_path):
         AttentionSpec(prefill="dma", decode="flash")
     with pytest.raises(ValueError, match=r"kv_cache must be one of \('input', 'fp8'\); got 'int4'"):
         AttentionSpec(decode="dma", kv_cache="int4")
+    x = jnp.zeros((1, 1, 2, 64))
+    with pytest.raises(ValueError, match="decode='dma' reads a dma_jax.LowBitKVCache"):
+        AttentionSpec(decode="dma").decode_fn(x, x, x, q_offset=0, kv_len=1, sm_scale=0.125)
     assert AttentionSpec.named("dma").decode == "exact"  # the paper's setting
     assert AttentionSpec.named("bf16").decode == "bf16"
     cfg = json.loads(open(tiny_hf(tmp_path)[1] + "/config.json").read())

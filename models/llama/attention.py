@@ -132,4 +132,9 @@ class AttentionSpec:
         return _FUNCTIONS[self.prefill](q, k, v, q_offset=0, kv_len=k.shape[1], sm_scale=sm_scale)
 
     def decode_fn(self, q, k, v, *, q_offset, kv_len, sm_scale):
+        """One decode step over a cache of full-precision keys and values. DMA decode
+        reads a low-bit cache instead (``dma_jax.decode_attention``)."""
+        if self.decode == "dma":
+            raise ValueError("decode='dma' reads a dma_jax.LowBitKVCache through dma_jax.decode_attention; "
+                             "decode_fn takes full-precision keys and values")
         return _FUNCTIONS[self.decode](q, k, v, q_offset=q_offset, kv_len=kv_len, sm_scale=sm_scale)
