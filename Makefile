@@ -20,10 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 # `make test` is every check on the smallest inputs that reach each code path;
 # `make test-slow` the larger sweeps of the same checks (CI runs both).
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist worksteal -m "not slow"
+	$(PY) -m pytest -q -n auto -m "not slow"
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist worksteal -m slow
+	$(PY) -m pytest -q -n auto -m slow
 
 demo: $(STAMP)
 	$(PY) -m models.generate --chat --attention dma --max-new-tokens 40 --compare \

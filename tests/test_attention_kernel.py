@@ -72,8 +72,8 @@ CASES = [
     (1, 127, 127, 2, 2, 128, True, 1, 1),
     (1, 128, 128, 3, 1, 64, False, 1, 1),
     (2, 300, 300, 2, 1, 64, True, 1, 1),
-    (1, 300, 300, 2, 1, 128, False, 2, 1),
-    (1, 130, 400, 2, 1, 128, True, 2, 1),
+    pytest.param(1, 300, 300, 2, 1, 128, False, 2, 1, marks=SLOW),
+    pytest.param(1, 130, 400, 2, 1, 128, True, 2, 1, marks=SLOW),
     (1, 300, 300, 4, 1, 64, True, 0, 0),
     (1, 300, 300, 4, 1, 64, True, ALL_TILES, 1),
     (1, 300, 300, 4, 1, 64, False, ALL_TILES, 0),
@@ -208,7 +208,7 @@ def sink_dominated(seed, lq, lk, hq, hkv, d):
 
 @pytest.mark.parametrize("causal,low", [(True, "nvfp4"), pytest.param(False, "mxfp4", marks=SLOW)])
 def test_fp8_pv_matches_reference(causal, low):
-    q, k, v = sink_dominated(11, 300, 300, 4, 2, 64)
+    q, k, v = sink_dominated(11, 300, 300, 2, 1, 64)
     cfg = DMAConfig(low=low, pv="fp8")
     out, ref = kernel_vs_reference(q, k, v, causal=causal, config=cfg)
     assert oracle.rel_l2(out, ref) <= 2e-3
