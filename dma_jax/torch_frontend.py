@@ -33,7 +33,6 @@ def torch_attention(
     """
     import torch
 
-    from triton_kernels.target import interpreting
     from triton_kernels.torch_executor import attention_plan, execute
 
     check_attention_inputs(q, k, v, causal=causal, config=config, q_offset=q_offset)
@@ -42,7 +41,7 @@ def torch_attention(
             raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
     if len({x.device for x in (q, k, v)}) != 1:
         raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
-    _check_device("torch_attention", q.device, interpreting())
+    _check_device("torch_attention", q.device)
     if q.shape[0] == 0:  # an empty batch, as dma_jax.attention returns it
         return torch.zeros_like(q)
     config = config or DMAConfig()
@@ -65,7 +64,6 @@ def torch_decode_attention(q: "torch.Tensor", cache: LowBitKVCache) -> "torch.Te
     import torch
 
     from triton_kernels.geometry import CACHE_FIELDS
-    from triton_kernels.target import interpreting
     from triton_kernels.torch_executor import dma_decode
 
     if not isinstance(q, torch.Tensor):
@@ -74,16 +72,18 @@ def torch_decode_attention(q: "torch.Tensor", cache: LowBitKVCache) -> "torch.Te
     arrays = {f: bridge.to_torch(getattr(cache, f)) for f in CACHE_FIELDS}
     if arrays["lo_codes"].device != q.device:
         raise ValueError(f"q and the cache must be on one device; got {q.device} and {arrays['lo_codes'].device}")
-    _check_device("torch_decode_attention", q.device, interpreting())
+    _check_device("torch_decode_attention", q.device)
     sink_len, ring_len = cache.slots
     with torch.no_grad():
         return dma_decode(q, arrays, sink_len=sink_len, ring_len=ring_len, v_fp8=cache.v_format == "fp8",
                           **cache.config.decode_options(q.shape[3]))
 
 
-def _check_device(name: str, device: "torch.device", interpreter: bool) -> None:
+def _check_device(name: str, device: "torch.device") -> None:
     """Triton's kernels need CUDA tensors, or Triton's interpreter for CPU ones."""
-    if device.type != "cuda" and not interpreter:
+    from triton_kernels.target import interpreting
+
+    if device.type != "cuda" and not interpreting():
         raise ValueError(
             f"{name} runs a Triton kernel and needs CUDA tensors; got device "
             f"{device} (set TRITON_INTERPRET=1 to run Triton's interpreter on CPU)"

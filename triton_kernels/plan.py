@@ -28,7 +28,8 @@ from .geometry import CACHE_FIELDS, TILE, all_high, band_covering_all, check_ext
 from .target import Target, resolve_native, uses_sm90_kernel
 
 __all__ = ["Buffer", "Launch", "OPERAND_FIELDS", "Plan", "Scalar", "attention_plan", "channel_mean_plan",
-           "decode_plan", "fp8_transpose_plan", "input_attention_plan", "query_fold", "quantize_plan", "softmax_fold"]
+           "decode_plan", "fp8_transpose_plan", "input_attention_plan", "query_fold", "quantize_plan",
+           "softmax_fold"]
 
 # The nine outputs of a dual quantization, as the attention kernels take them per operand.
 OPERAND_FIELDS = ("hi_codes", "hi_scales", "lo_codes", "lo_scales", "lo_token_scale", "hi_f8", "hi_ts", "lo_f8", "lo_ts")
@@ -393,8 +394,8 @@ def decode_plan(q: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len
     diag, sink = min(diag_tiles, tiles + 1), min(sink_tiles, tiles)
     has_lo = not all_high(1, capacity, capacity - 1, diag)
     has_hi = diag > 0 or sink > 0
-    quantize = _quantize(q, "q", target, fold=query_fold(sm_scale, d, rotate), high=high, low=low, codes=True, fp8=False, write_lo=has_lo,
-                         high_rule=high_rule, low_rule=low_rule, rotate=rotate)
+    quantize = _quantize(q, "q", target, fold=query_fold(sm_scale, d, rotate), high=high, low=low, codes=True,
+                         fp8=False, write_lo=has_lo, high_rule=high_rule, low_rule=low_rule, rotate=rotate)
     group = hq // kv_heads
     block_m = max(16, 1 << (group * n_q - 1).bit_length())
     split_len = tuning.decode_split_len(b, kv_heads, capacity, launch)
