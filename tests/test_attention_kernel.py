@@ -74,10 +74,10 @@ CASES = [
     (2, 300, 300, 2, 1, 64, True, 1, 1),
     pytest.param(1, 300, 300, 2, 1, 128, False, 2, 1, marks=SLOW),
     pytest.param(1, 130, 400, 2, 1, 128, True, 2, 1, marks=SLOW),
-    (1, 300, 300, 4, 1, 64, True, 0, 0),
+    (1, 200, 200, 4, 1, 64, True, 0, 0),
     (1, 300, 300, 4, 1, 64, True, ALL_TILES, 1),
     (1, 300, 300, 4, 1, 64, False, ALL_TILES, 0),
-    (1, 1, 385, 2, 1, 128, True, 1, 1),
+    pytest.param(1, 1, 385, 2, 1, 128, True, 1, 1, marks=SLOW),
     pytest.param(2, 300, 300, 9, 3, 64, True, 1, 1, marks=SLOW),
     pytest.param(1, 300, 300, 9, 3, 128, False, 2, 1, marks=SLOW),
     pytest.param(1, 1000, 1000, 2, 1, 64, True, 1, 1, marks=SLOW),
@@ -96,8 +96,9 @@ def test_kernel_matches_reference_fp16(b, lq, lk, hq, hkv, d, causal, diag, sink
     assert oracle.rel_l2(out, ref) <= 2e-3
 
 
-@pytest.mark.parametrize("low,high", [("nvfp4", "mxfp8_e4m3"), ("mxfp4", "mxfp8_e5m2")])
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("low,high,causal", [
+    ("nvfp4", "mxfp8_e4m3", True), ("mxfp4", "mxfp8_e5m2", False),
+    pytest.param("nvfp4", "mxfp8_e4m3", False, marks=SLOW), pytest.param("mxfp4", "mxfp8_e5m2", True, marks=SLOW)])
 def test_kernel_matches_reference_bf16(low, high, causal):
     q, k, v = make(3, 1, 300, 300, 2, 1, 128, "bf16")
     cfg = DMAConfig(low=low, high=high, sm_scale=0.1)
@@ -166,7 +167,7 @@ SM100_CASES = [
     # (b, lq, lk, hq, hkv, d, causal, config): every format pair, scale rule and the
     # rotation on the block-scaled path, GQA, ragged lengths, head_dim 64 and 128.
     (1, 300, 300, 2, 1, 128, True, DMAConfig()),
-    (1, 200, 330, 4, 2, 64, False, DMAConfig(low="mxfp4", diag_tiles=2)),
+    (1, 130, 260, 4, 2, 64, False, DMAConfig(low="mxfp4", diag_tiles=2)),
     (2, 150, 150, 2, 1, 64, True, DMAConfig(high="mxfp8_e5m2", low_rule="4/6", rotate="none", diag_tiles=0,
                                             sink_tiles=0)),
     pytest.param(1, 300, 300, 6, 2, 128, False, DMAConfig(high_rule="floor", low_rule="nearest"), marks=SLOW),

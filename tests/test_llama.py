@@ -237,6 +237,7 @@ def test_first_token_margin_is_exact_attentions_top2_gap():
     assert abs(margin - (logits[order[0]] - logits[order[1]])) < 1e-4
 
 
+@pytest.mark.slow
 def test_cli_answers_several_prompts(capsys):
     main(["--chat", "--prompt", "What is the capital of France?", "--prompt", "Who wrote Romeo and Juliet?",
           "--max-new-tokens", "12", "--attention", "exact"])

@@ -142,6 +142,7 @@ def test_causal_offsets_must_keep_every_query_at_a_key():
         attention(q, k, v, causal=False, q_offset=2**30 + 1)
 
 
+@pytest.mark.slow
 @settings(max_examples=3, deadline=None)
 @given(
     lq=st.integers(1, 300),

@@ -139,7 +139,8 @@ def test_fp8_copies_equal_formats(high, low):
 
 @pytest.mark.parametrize("kind,tile_t,fold", [("smooth", 128, 1.0), pytest.param("nan", 128, 1.0, marks=pytest.mark.slow),
                                               pytest.param("smooth", 32, 1.0, marks=pytest.mark.slow),
-                                              ("nan", 64, -0.37), ("tiny", 128, 0.3)])
+                                              ("nan", 64, -0.37),
+                                              pytest.param("tiny", 128, 0.3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("high,low", [("mxfp8_e4m3", "nvfp4"), ("mxfp8_e5m2", "mxfp4")])
 def test_per_tile_fp8_copies_equal_formats(kind, tile_t, fold, high, low):
     """K's per-tile E4M3 copies (one scale per 128 tokens) equal
