@@ -71,10 +71,12 @@ def rel_l2(a, b) -> float:
 
 def kernel_decode(q, cache):
     """A decode step through ``dma_jax.torch_decode_attention`` (Triton's interpreter on
-    the CPU, the cache handed over by DLPack), float32 ``[B, n, HQ, D]``."""
+    the CPU, the cache handed over by DLPack), float32 ``[B, n, HQ, D]``. The query goes
+    to the cache's device."""
     import torch
 
-    from dma_jax import torch_decode_attention
+    from dma_jax import bridge, torch_decode_attention
 
-    tq = torch.from_numpy(np.array(q.astype(jnp.float32))).to(getattr(torch, cache.dtype))
-    return torch_decode_attention(tq, cache).float().numpy()
+    device = bridge.to_torch(cache.length).device
+    tq = torch.from_numpy(np.array(q.astype(jnp.float32))).to(device=device, dtype=getattr(torch, cache.dtype))
+    return torch_decode_attention(tq, cache).float().cpu().numpy()

@@ -279,42 +279,40 @@ def test_model_cudnn_attention_matches_exact(dtype):
     assert oracle.rel_l2(np.asarray(got, np.float32), np.asarray(want, np.float32)) <= 1e-2
 
 
-def test_fuzz_through_jax_and_torch():
-    """200 random cases (tests/fuzz_cases.py: 20 structures x 10 inputs) through both
-    front ends, against the float64 oracle; the two front ends give the same bits. The
-    oracle gets the CPU reference's smooth-K mean; the GPU sums in another order, which
-    the tolerances cover (fuzz_cases says why NVFP4's floor rule is not drawn)."""
+@pytest.mark.parametrize("index", range(20))
+def test_fuzz_through_jax_and_torch(index):
+    """Ten random inputs of one random structure (tests/fuzz_cases.py; 20 structures, 200
+    cases in all) through both front ends, against the float64 oracle; the two front
+    ends give the same bits. The oracle gets the CPU reference's smooth-K mean; the GPU
+    sums in another order, which the tolerances cover (fuzz_cases says why NVFP4's floor
+    rule is not drawn)."""
     import dataclasses
 
     from fuzz_cases import compare, inputs, oracle_keys, oracle_kwargs, structure
 
     from dma_jax.reference import smoothing_mean
 
+    s = structure(100 + index)
+    f = jax.jit(lambda q, k, v: dma_jax.attention(q, k, v, causal=s.causal, config=s.config, q_offset=s.q_offset))
+    # sm_90 reads E4M3 copies of the MX tiles (exact but for E4M3 subnormals) and,
+    # with nvfp4_copy="e4m3", of the NVFP4 tiles.
     sm90 = torch.cuda.get_device_capability() == (9, 0)
-    structures = [structure(sid) for sid in range(100, 120)]
-    failures, cases = [], 0
-    for sid, s in enumerate(structures):
-        f = jax.jit(lambda q, k, v, s=s: dma_jax.attention(q, k, v, causal=s.causal, config=s.config,
-                                                           q_offset=s.q_offset))
-        # sm_90 reads E4M3 copies of the MX tiles (exact but for E4M3 subnormals) and,
-        # with nvfp4_copy="e4m3", of the NVFP4 tiles.
-        operands = "fp8" if sm90 and (s.config.low != "nvfp4" or s.config.nvfp4_copy == "e4m3") else "exact"
-        for j in range(10):
-            kind, (q, k, v) = inputs(s, 7919 * sid + j)
-            args = [jnp.asarray(x).astype(s.dtype) for x in (q, k, v)]
-            out = np.asarray(f(*args), np.float32)
-            t_out = torch_attention(*(bridge.to_torch(x) for x in args), causal=s.causal, config=s.config,
-                                    q_offset=s.q_offset)
-            mean = np.asarray(smoothing_mean(jax.device_put(args[1], jax.devices("cpu")[0]).astype(jnp.float32)))
-            want = oracle.dma_attention(q, oracle_keys(s, k, mean), v, operands=operands, **oracle_kwargs(s))
-            cases += 1
-            problem = compare(out, want, s)
-            if not problem and not np.array_equal(t_out.float().cpu().numpy(), out, equal_nan=True):
-                problem = "torch and JAX differ"
-            if problem:
-                failures.append(f"{dataclasses.astuple(s)[:9]} {s.config}, input {j} ({kind}): {problem}")
-    assert cases == 200
-    assert not failures, f"{len(failures)} of {cases}:\n" + "\n".join(failures)
+    operands = "fp8" if sm90 and (s.config.low != "nvfp4" or s.config.nvfp4_copy == "e4m3") else "exact"
+    failures = []
+    for j in range(10):
+        kind, (q, k, v) = inputs(s, 7919 * index + j)
+        args = [jnp.asarray(x).astype(s.dtype) for x in (q, k, v)]
+        out = np.asarray(f(*args), np.float32)
+        t_out = torch_attention(*(bridge.to_torch(x) for x in args), causal=s.causal, config=s.config,
+                                q_offset=s.q_offset)
+        mean = np.asarray(smoothing_mean(jax.device_put(args[1], jax.devices("cpu")[0]).astype(jnp.float32)))
+        want = oracle.dma_attention(q, oracle_keys(s, k, mean), v, operands=operands, **oracle_kwargs(s))
+        problem = compare(out, want, s)
+        if not problem and not np.array_equal(t_out.float().cpu().numpy(), out, equal_nan=True):
+            problem = "torch and JAX differ"
+        if problem:
+            failures.append(f"input {j} ({kind}): {problem}")
+    assert not failures, f"{dataclasses.astuple(s)[:9]} {s.config}:\n" + "\n".join(failures)
 
 
 @pytest.mark.parametrize("case", decode_cases.CASES + [
