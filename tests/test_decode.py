@@ -43,7 +43,7 @@ def test_jnp_decode_equals_full_sequence_reference(case):
 
 @pytest.mark.parametrize("case", _params({"default", "mxfp4-fp8v"}))
 def test_decode_kernel_equals_full_sequence_reference(case):
-    """The split-KV Triton kernel (interpreted on the CPU) against the same oracle: bf16 P rounded
+    """The split-KV Triton kernel (interpreted on a CPU) against the same oracle: bf16 P rounded
     against the running row max, splits merged afterwards (rel-L2 <= 5e-3)."""
     q, cache, k, v = decode_cases.build(case)
     out = decode_cases.kernel_decode(q, cache)
