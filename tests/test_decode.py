@@ -12,9 +12,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import triton
+import triton.language as tl
+
 import dma_jax
 from dma_jax import DMAConfig, LowBitKVCache, decode_attention
 from dma_jax.formats import dequantize_token_e4m3, quantize_token_e4m3
+from triton_kernels import decode as decode_kernels
 from triton_kernels.geometry import TILE, cache_slot, cache_slots
 
 import decode_cases
@@ -98,6 +102,44 @@ def test_fp8_values_match_ml_dtypes():
                                   * np.exp2(e.astype(np.float64))[..., None])
     nan = quantize_token_e4m3(np.array([[1.0, np.nan] * 16], np.float32))
     assert int(nan.scales[0]) == 0xFF and np.isnan(np.asarray(dequantize_token_e4m3(nan))).all()
+
+
+@triton.jit
+def _decode_codes_kernel(codes_ptr, even_ptr, odd_ptr, v_ptr, scale_ptr, HW: tl.constexpr, F32: tl.constexpr):
+    """Every byte value through the decode kernel's code readers: as two lifted E2M1
+    nibbles, as an E4M3 value (V, read as words) and as an NVFP4 block scale."""
+    rows, cols = tl.arange(0, 16), tl.arange(0, 16)
+    at = rows[:, None] * 16 + cols[None, :]
+    even, odd = decode_kernels._nibbles(tl.load(codes_ptr + at), True, HW, F32)
+    tl.store(even_ptr + at, even.to(tl.float32))
+    tl.store(odd_ptr + at, odd.to(tl.float32))
+    tl.store(v_ptr + at, decode_kernels._e4m3_words(codes_ptr, rows, rows < 16, 16, HW, F32).to(tl.float32))
+    tl.store(scale_ptr + at, decode_kernels._block_scales(codes_ptr, rows, rows < 16, 16, True, HW))
+
+
+def test_code_readers_against_ml_dtypes():
+    """The decode kernel's readers of cache bytes, for all 256 byte values, against
+    ml_dtypes: a 4-bit code lifted is its E2M1 value times 2^-126 (subnormal for 0 and
+    0.5), bit for bit; an E4M3 byte is its value; an unsigned E4M3
+    block scale is its value (NaN for 0x7F). On a GPU the PTX readers, in the
+    interpreter their integer emulation. V's E4M3 NaN bytes are left out: the cache marks a
+    non-finite token by its scale (0xFF), so its elements never hold them."""
+    import torch
+
+    from conftest import HAS_CUDA
+
+    device = "cuda" if HAS_CUDA else "cpu"
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    even, odd, v, scale = (torch.empty(256, dtype=torch.float32, device=device) for _ in range(4))
+    _decode_codes_kernel[(1,)](codes, even, odd, v, scale, HW=HAS_CUDA, F32=not HAS_CUDA)
+    b = np.arange(256, dtype=np.uint8)
+    e2m1 = lambda n: n.view(ml_dtypes.float4_e2m1fn).astype(np.float32) * np.float32(2.0**-126)  # noqa: E731
+    np.testing.assert_array_equal(even.cpu().numpy().view(np.uint32), e2m1(b & 0xF).view(np.uint32))
+    np.testing.assert_array_equal(odd.cpu().numpy().view(np.uint32), e2m1(b >> 4).view(np.uint32))
+    e4m3 = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    finite = np.isfinite(e4m3)  # a NaN value's token has the NaN scale instead
+    np.testing.assert_array_equal(v.cpu().numpy()[finite], e4m3[finite])
+    np.testing.assert_array_equal(scale.cpu().numpy()[:128], e4m3[:128])
 
 
 @pytest.mark.parametrize("v_format", ["input", "fp8"])

@@ -48,17 +48,50 @@ def _as_operand(x, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _e2m1(nibbles, DOT_F32: tl.constexpr):
+def _e2m1(nibbles, LIFTED: tl.constexpr, DOT_F32: tl.constexpr):
     """E2M1 codes (int32 in [0, 15]) as bf16 values (float32 with DOT_F32), built from
-    their bits without float arithmetic: 0 and 0.5 (magnitude codes 0, 1) are
-    ``code * 0x3F00``; code c >= 2 has bf16 exponent ``126 + c // 2`` and mantissa bit
-    ``c & 1``, which is ``(c + 252) << 6``."""
-    mag = nibbles & 7
-    bits = tl.where(mag < 2, mag * 0x3F00, (mag + 252) << 6) | ((nibbles & 8) << 12)
+    their bits without float arithmetic.
+
+    LIFTED: the code's three magnitude bits moved into the low exponent bits and the top
+    mantissa bit, ``(c & 7) << 6``, with the sign at bit 15. That is the value times
+    2^-126 for every code: magnitude codes 0 and 1 (0 and 0.5) land on the subnormals
+    0 and 2^-127, and code c >= 2 has exponent ``c // 2`` and mantissa bit ``c & 1``.
+    Two bit moves per nibble, no compare; ``_low_keys`` and the kernel's lift of Q undo
+    the factor. Otherwise the exact value: 0 and 0.5 are
+    ``code * 0x3F00``, code c >= 2 has exponent ``126 + c // 2``, which is
+    ``(c + 252) << 6``."""
+    if LIFTED:
+        bits = ((nibbles & 7) << 6) | ((nibbles & 8) << 12)
+    else:
+        mag = nibbles & 7
+        bits = tl.where(mag < 2, mag * 0x3F00, (mag + 252) << 6) | ((nibbles & 8) << 12)
     if DOT_F32:
         return (bits << 16).to(tl.float32, bitcast=True)
     else:
         return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _nibbles(packed, LIFTED: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr):
+    """The low and the high nibbles of 4-bit code bytes ``packed`` (uint8) as ``_e2m1``
+    values. Lifted on a GPU: PTX on four bytes at a time, which spreads two bytes into the
+    two bf16 halves of a register (``prmt``) and moves each nibble's bits there with
+    shifts and masks, 18 instructions for eight values."""
+    if LIFTED and HW_CVT and not DOT_F32:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, a, b;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            shl.b32 a, t0, 6;  shl.b32 b, t0, 12; and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; or.b32 $0, a, b;
+            shl.b32 a, t1, 6;  shl.b32 b, t1, 12; and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; or.b32 $1, a, b;
+            shl.b32 a, t0, 2;  shl.b32 b, t0, 8;  and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; or.b32 $2, a, b;
+            shl.b32 a, t1, 2;  shl.b32 b, t1, 8;  and.b32 a, a, 0x01C001C0; and.b32 b, b, 0x80008000; or.b32 $3, a, b;
+            }""",
+            "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        packed = packed.to(tl.int32)
+        return _e2m1(packed & 0xF, LIFTED, DOT_F32), _e2m1(packed >> 4, LIFTED, DOT_F32)
 
 
 @triton.jit
@@ -79,16 +112,35 @@ def _fp8(codes, EXP_BITS: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.conste
 
 
 @triton.jit
-def _block_scales(scales_ptr, rows, mask, NB: tl.constexpr, NV: tl.constexpr):
+def _e4m3_words(v_ptr, rows, mask, D: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr):
+    """E4M3 rows ``[R, D]`` (uint8) as bf16 values (float32 with DOT_F32), read as 32-bit
+    words: a byte-wide load would be gathered byte by byte from shared memory into the
+    MMA's layout. Each word's four bytes are converted apart (shifts, ``_fp8``) and put
+    back in order: ``join`` adds a trailing axis, so joining (v0, v2) with (v1, v3)
+    flattens to v0, v1, v2, v3."""
+    words = tl.load(v_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows[:, None] * (D // 4)
+                    + tl.arange(0, D // 4)[None, :], mask=mask[:, None], other=0)
+    v0 = _fp8((words & 0xFF).to(tl.uint8), 4, HW_CVT, DOT_F32)
+    v1 = _fp8(((words >> 8) & 0xFF).to(tl.uint8), 4, HW_CVT, DOT_F32)
+    v2 = _fp8(((words >> 16) & 0xFF).to(tl.uint8), 4, HW_CVT, DOT_F32)
+    v3 = _fp8(((words >> 24) & 0xFF).to(tl.uint8), 4, HW_CVT, DOT_F32)
+    return tl.join(tl.join(v0, v2), tl.join(v1, v3)).reshape(v0.shape[0], D)
+
+
+@triton.jit
+def _block_scales(scales_ptr, rows, mask, NB: tl.constexpr, NV: tl.constexpr, HW_CVT: tl.constexpr):
     """float32 block scales ``[R, NB]`` at ``rows``: unsigned E4M3 (NVFP4, 0x7F for a
-    non-finite block) or E8M0 (``2^(s - 127)``, 0xFF = NaN). E8M0's s = 0 (2^-127, a
-    float32 subnormal) reads as 2^-126: only blocks of magnitude ~1e-38 differ, whose
-    scores are ~0 either way."""
+    non-finite block: E4M3's NaN, so the GPU's conversion gives NaN too) or E8M0
+    (``2^(s - 127)``, 0xFF = NaN). E8M0's s = 0 (2^-127, a float32 subnormal) reads as
+    2^-126: only blocks of magnitude ~1e-38 differ, whose scores are ~0 either way."""
     cols = tl.arange(0, NB)
-    sc = tl.load(scales_ptr + rows[:, None] * NB + cols[None, :], mask=mask[:, None], other=0).to(tl.int32)
-    if NV:
-        return tl.where(sc == 0x7F, float("nan"), e4m3_value(sc))
+    sc = tl.load(scales_ptr + rows[:, None] * NB + cols[None, :], mask=mask[:, None], other=0)
+    if NV and HW_CVT:
+        return sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif NV:
+        return tl.where(sc == 0x7F, float("nan"), e4m3_value(sc.to(tl.int32)))
     else:
+        sc = sc.to(tl.int32)
         return tl.where(sc == 0xFF, float("nan"), pow2(tl.maximum(sc - 127, -126)))
 
 
@@ -102,16 +154,24 @@ def _scaled(values, scales, R: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, 
 
 @triton.jit
 def _low_keys(codes_ptr, scales_ptr, rows, mask, D: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
-              NV: tl.constexpr, DOT_F32: tl.constexpr):
+              NV: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr):
     """4-bit rows as two operands ``[R, D/2]``: the even elements (low nibbles) and the
     odd ones (high nibbles), each times its block scale. Q is split the same way, so
-    Q·Kᵀ is the sum of the two halves' products and the nibbles are never interleaved."""
+    Q·Kᵀ is the sum of the two halves' products and the nibbles are never interleaved.
+
+    NVFP4 rows come out times 2^-63 (their caller lifts Q's by 2^126): the nibbles are
+    decoded lifted (``_e2m1``, value · 2^-126) and multiplied by ``sb · 2^63``. An E4M3
+    scale lies in [2^-9, 448], so ``sb · 2^63`` and the product ``e · sb · 2^-63`` are
+    normal bf16 values, exact (at most 6 significant bits). MXFP4's E8M0 scales span
+    2^-127..2^127, too wide to lift, so its nibbles are decoded to their values."""
     cols = tl.arange(0, D // 2)
     packed = tl.load(codes_ptr + rows[:, None] * (D // 2) + cols[None, :], mask=mask[:, None], other=0)
-    packed = packed.to(tl.int32)
-    scales = _block_scales(scales_ptr, rows, mask, D // BLOCK, NV)
-    even = _scaled(_e2m1(packed & 0xF, DOT_F32), scales, R, D // 2, D // BLOCK, DOT_F32)
-    odd = _scaled(_e2m1(packed >> 4, DOT_F32), scales, R, D // 2, D // BLOCK, DOT_F32)
+    scales = _block_scales(scales_ptr, rows, mask, D // BLOCK, NV, HW_CVT)
+    if NV:
+        scales = scales * 9223372036854775808.0  # 2^63
+    even, odd = _nibbles(packed, NV, HW_CVT, DOT_F32)
+    even = _scaled(even, scales, R, D // 2, D // BLOCK, DOT_F32)
+    odd = _scaled(odd, scales, R, D // 2, D // BLOCK, DOT_F32)
     return even, odd
 
 
@@ -121,7 +181,7 @@ def _high_keys(codes_ptr, scales_ptr, rows, mask, D: tl.constexpr, R: tl.constex
     """8-bit MX rows ``[R, D]``, each element times its block scale."""
     cols = tl.arange(0, D)
     codes = tl.load(codes_ptr + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0)
-    scales = _block_scales(scales_ptr, rows, mask, D // 32, False)
+    scales = _block_scales(scales_ptr, rows, mask, D // 32, False, HW_CVT)
     return _scaled(_fp8(codes, EXP_BITS, HW_CVT, DOT_F32), scales, R, D, D // 32, DOT_F32)
 
 
@@ -155,7 +215,8 @@ def _decode_run(
         t_ok = t < length
         rows = t * HKV + hkv  # int32: the plan checks S * HKV * D < 2^31
         if MODE != _HIGH:
-            k_even, k_odd = _low_keys(lo_codes, lo_scales, rows, t_ok, D, BLOCK_N, LO_BLOCK, LO_NV, DOT_F32)
+            k_even, k_odd = _low_keys(lo_codes, lo_scales, rows, t_ok, D, BLOCK_N, LO_BLOCK, LO_NV, HW_CVT,
+                                      DOT_F32)
             s_lo = _dot(q_even, k_even, DOT_F32) + _dot(q_odd, k_odd, DOT_F32)
             if LO_NV:
                 # NVFP4's per-token scales s2 of the query row and of the key.
@@ -192,13 +253,12 @@ def _decode_run(
         if V_FP8:
             # E4M3 values with one E8M0 scale per token: the scale multiplies P's column
             # (exact: a power of two), the values go in as they are.
-            codes = tl.load(v_ptr + rows[:, None] * D + cols[None, :], mask=t_ok[:, None], other=0)
             vs = tl.load(v_scale + rows, mask=t_ok, other=127).to(tl.int32)
             factor = tl.where(vs == 0xFF, float("nan"), pow2(tl.maximum(vs - 127, -126)))
             p = p.to(tl.float32) * factor[None, :]
             if not PV_F32:
                 p = p.to(tl.bfloat16)
-            v = _fp8(codes, 4, HW_CVT, PV_F32)
+            v = _e4m3_words(v_ptr, rows, t_ok, D, HW_CVT, PV_F32)
         else:
             v = tl.load(v_ptr + rows[:, None] * D + cols[None, :], mask=t_ok[:, None], other=0.0)
         if PV_F32:
@@ -241,8 +301,13 @@ def _dma_decode_kernel(
     if HAS_HI:
         q_hi = _high_keys(q_hi_codes, q_hi_scales, q_rows, m_ok, D, BLOCK_M, HI_E, HW_CVT, DOT_F32)
     if HAS_LO:
-        q_even, q_odd = _low_keys(q_lo_codes, q_lo_scales, q_rows, m_ok, D, BLOCK_M, LO_BLOCK, LO_NV, DOT_F32)
+        q_even, q_odd = _low_keys(q_lo_codes, q_lo_scales, q_rows, m_ok, D, BLOCK_M, LO_BLOCK, LO_NV, HW_CVT,
+                                  DOT_F32)
         if LO_NV:
+            # NVFP4 operands come times 2^-63 (_low_keys): Q's times 2^126 make the
+            # products those of the values, exact (Q's at most 2688 · 2^63).
+            lift = 85070591730234615865843651857942052864.0  # 2^126
+            q_even, q_odd = (q_even * lift).to(q_even.dtype), (q_odd * lift).to(q_odd.dtype)
             q_s2 = tl.load(q_lo_token + q_rows, mask=m_ok, other=1.0)
 
     # Key tile t is high for row r when t < sink or (row tile) - t < diag: the band

@@ -130,13 +130,15 @@ class DecodeConfig:
     """Settings of the decode kernel (``triton_kernels.decode``): keys per step, warps,
     pipeline stages, and the programs to aim for when splitting the keys (at least
     ``min_blocks`` key blocks per split, so that loading and decoding Q stays small
-    next to its keys)."""
+    next to its keys; at most ``max_splits`` splits, which one program per kv head and
+    batch row combines in turn)."""
 
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 4
     num_stages: int = 2
-    programs: int = 264
+    programs: int = 1056
     min_blocks: int = 4
+    max_splits: int = 64
 
 
 DECODE = DecodeConfig()
@@ -147,5 +149,5 @@ def decode_split_len(batch: int, kv_heads: int, capacity: int, launch: DecodeCon
     of ``capacity`` positions: enough splits for ``launch.programs`` programs."""
     blocks = -(-capacity // launch.block_n)
     wanted = -(-launch.programs // max(1, batch * kv_heads))
-    n_split = max(1, min(wanted, blocks // launch.min_blocks))
+    n_split = max(1, min(wanted, blocks // launch.min_blocks, launch.max_splits))
     return -(-blocks // n_split) * launch.block_n
