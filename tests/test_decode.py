@@ -120,10 +120,10 @@ def _decode_codes_kernel(codes_ptr, even_ptr, odd_ptr, v_ptr, scale_ptr, HW: tl.
 def test_code_readers_against_ml_dtypes():
     """The decode kernel's readers of cache bytes, for all 256 byte values, against
     ml_dtypes: a 4-bit code lifted is its E2M1 value times 2^-126 (subnormal for 0 and
-    0.5), bit for bit; an E4M3 byte is its value; an unsigned E4M3
-    block scale is its value (NaN for 0x7F). On a GPU the PTX readers, in the
-    interpreter their integer emulation. V's E4M3 NaN bytes are left out: the cache marks a
-    non-finite token by its scale (0xFF), so its elements never hold them."""
+    0.5), bit for bit; an E4M3 byte is its value; an unsigned E4M3 block scale is its
+    value (NaN for 0x7F). On a GPU the PTX readers, in the interpreter their integer
+    emulation. V's E4M3 NaN bytes are left out: the cache marks a non-finite token by
+    its scale (0xFF), so its elements never hold them."""
     import torch
 
     from conftest import HAS_CUDA
