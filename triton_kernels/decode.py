@@ -57,9 +57,8 @@ def _e2m1(nibbles, LIFTED: tl.constexpr, DOT_F32: tl.constexpr):
     2^-126 for every code: magnitude codes 0 and 1 (0 and 0.5) land on the subnormals
     0 and 2^-127, and code c >= 2 has exponent ``c // 2`` and mantissa bit ``c & 1``.
     Two bit moves per nibble, no compare; ``_low_keys`` and the kernel's lift of Q undo
-    the factor. Otherwise the exact value: 0 and 0.5 are
-    ``code * 0x3F00``, code c >= 2 has exponent ``126 + c // 2``, which is
-    ``(c + 252) << 6``."""
+    the factor. Otherwise the exact value: 0 and 0.5 are ``code * 0x3F00``, code c >= 2
+    has exponent ``126 + c // 2``, which is ``(c + 252) << 6``."""
     if LIFTED:
         bits = ((nibbles & 7) << 6) | ((nibbles & 8) << 12)
     else:
