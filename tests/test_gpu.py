@@ -10,6 +10,7 @@ import torch
 
 import dma_jax
 from dma_jax import DMAConfig, bridge, reference_attention, torch_attention
+from triton_kernels.tuning import SM90_GLUON, LaunchConfig
 
 import decode_cases
 import oracle
@@ -174,16 +175,18 @@ SM90_CASES = [
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel is for sm_90 (Hopper)")
+@pytest.mark.parametrize("nvfp4_copy", ["bf16", "e4m3"])
 @pytest.mark.parametrize("b,lq,lk,hq,hkv,causal,q_offset,diag,sink", SM90_CASES)
-def test_sm90_gluon_kernel_matches_reference_and_triton_kernel(b, lq, lk, hq, hkv, causal, q_offset, diag, sink):
+def test_sm90_gluon_kernel_matches_reference_and_triton_kernel(b, lq, lk, hq, hkv, causal, q_offset, diag, sink,
+                                                               nvfp4_copy):
     """head_dim 128, bf16: both front ends take the Gluon kernel (launched from JAX by
-    ``gluon_call``); it computes what the Triton kernel computes on the same operands."""
+    ``gluon_call``) with NVFP4's exact bf16 copies and with the E4M3 opt-in; it computes
+    what the Triton kernel computes on the same operands."""
     from dma_jax import gluon_call
     from triton_kernels import torch_executor
 
     q, k, v = inputs(lq + lk + 1, b, lq, lk, hq, hkv, 128)
-    # The Gluon kernel reads E4M3 copies only: NVFP4 tiles rounded to E4M3.
-    cfg = DMAConfig(diag_tiles=diag, sink_tiles=sink, nvfp4_copy="e4m3")
+    cfg = DMAConfig(diag_tiles=diag, sink_tiles=sink, nvfp4_copy=nvfp4_copy)
     compiled = gluon_call._compile.cache_info().misses + gluon_call._compile.cache_info().hits
     f = jax.jit(lambda q, k, v: dma_jax.attention(q, k, v, causal=causal, config=cfg, q_offset=q_offset))
     out = np.asarray(f(q, k, v), np.float32)
@@ -195,18 +198,21 @@ def test_sm90_gluon_kernel_matches_reference_and_triton_kernel(b, lq, lk, hq, hk
     tq, tk, tv = (bridge.to_torch(x) for x in (q, k, v))
     t_out = torch_attention(tq, tk, tv, causal=causal, config=cfg, q_offset=q_offset)
     np.testing.assert_array_equal(t_out.float().cpu().numpy(), out)
-    # The same plan with the Triton kernel as its attention launch.
+    # The same plan with the Triton kernel as its attention launch, on key blocks of
+    # the same size (the online softmax rounds P against the running row maximum).
     triton_out = torch_executor.dma_attention(tq, tk, tv, causal=causal, q_offset=q_offset, kernel="triton",
+                                              launch=LaunchConfig(64, SM90_GLUON.block_n, 4, 2),
                                               **cfg.kernel_options(128))
     assert oracle.rel_l2(t_out.float().cpu().numpy(), triton_out.float().cpu().numpy()) <= 1e-4
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel is for sm_90 (Hopper)")
-def test_sm90_gluon_kernel_propagates_nan():
+@pytest.mark.parametrize("nvfp4_copy", ["bf16", "e4m3"])
+def test_sm90_gluon_kernel_propagates_nan(nvfp4_copy):
     """A NaN in one query row makes that row NaN (its token scale is NaN) and no other."""
     q, k, v = inputs(5, 1, 256, 256, 2, 1, 128)
     q = q.at[0, 200, 1, 3].set(jnp.nan)
-    cfg = DMAConfig(nvfp4_copy="e4m3")
+    cfg = DMAConfig(nvfp4_copy=nvfp4_copy)
     out = np.asarray(jax.jit(lambda q, k, v: dma_jax.attention(q, k, v, causal=True, config=cfg))(q, k, v),
                      np.float32)
     expected = np.isnan(cpu_reference(q, k, v, causal=True, config=cfg))

@@ -92,9 +92,9 @@ def test_attention_plan_structure(target, name):
                     assert plan.buffer(f"{x}.lo_f8").dtype == ("bfloat16" if lo_bf16 else "uint8")
                     if lo_bf16:
                         assert plan.buffer(f"{x}.lo_ts").shape == (1, length, hkv if x == "k" else hq)
-            # The Gluon kernel exactly where documented: Hopper, head_dim 128, P·V in bf16,
-            # Q·Kᵀ on E4M3 copies only.
-            gluon = target == "sm90" and dim == 128 and config.pv == "input" and not lo_bf16
+            # The Gluon kernel exactly where documented: Hopper, head_dim 128, P·V in bf16;
+            # NVFP4's exact bf16 copies (LO_BF16) or E4M3 copies.
+            gluon = target == "sm90" and dim == 128 and config.pv == "input"
             assert attention.kernel is (_dma_attention_sm90_kernel if gluon else _dma_attention_kernel)
             assert attention.gluon == gluon
             # Smooth-K's sums only with smooth_k; V's FP8 copy only with the FP8 P·V.
@@ -104,7 +104,9 @@ def test_attention_plan_structure(target, name):
             k_ts = plan.buffer("k.hi_ts")
             if k_ts.written:
                 assert k_ts.shape == (1, -(-kv_len // TILE), hkv)
-            if not gluon:
+            if gluon:
+                assert attention.meta["LO_BF16"] == lo_bf16
+            else:
                 assert attention.meta["LO_FMT"] == ("bf16" if lo_bf16 else "e2m1")
             # On sm_100 every tile is native: codes and scale bytes are written, no
             # FP8 copies.

@@ -1,9 +1,11 @@
 """The DMA prefill kernel for Hopper (sm_90), written in Gluon with FA3's schedule.
 
-Same operands, numerics and outputs as ``attention._dma_attention_kernel`` on its
-FP8 path with P·V in the input's bf16/fp16 (the quantizer's E4M3 copies of Q per
-token and of K per 128-key tile), but one program holds 128 query rows in two
-consumer warpgroups of 64 rows each plus one loader warpgroup (``gl.warp_specialize``):
+Same operands, numerics and outputs as ``attention._dma_attention_kernel`` with P·V
+in the input's bf16/fp16: the quantizer's E4M3 copies of Q per token and of K per
+128-key tile, and with ``LO_BF16`` NVFP4's exact bf16 copies of ``e · sb`` for the
+low tiles (``s2`` per query row and per key column). One program holds 128 query
+rows in two consumer warpgroups of 64 rows each plus one loader warpgroup
+(``gl.warp_specialize``):
 
 * the loader copies K and V blocks into a ring of shared-memory slots
   with ``cp.async`` and signals each slot on an mbarrier; the consumers give a
@@ -15,10 +17,13 @@ consumer warpgroups of 64 rows each plus one loader warpgroup (``gl.warp_special
   keep the tensor cores busy. (Making them take strict turns issuing MMAs, FA3's
   ping-pong, measured within ±4% either way on an H200: not kept.)
 
-Per key block the tile format (high or low copy) is chosen at run time from the
-sink / diagonal-band bounds, by indexing a two-slot shared-memory Q buffer, so
-the loop is the same for every run of tiles. Masks (causal edge, kv_len) are
-only applied in the blocks that need them (a second loop with MASK=True).
+The key range is walked in the runs of tiles of ``attention.key_runs`` (sink,
+far, diagonal band, far side), one loop per run whose format is a compile-time
+constant: an FP8 and a bf16 ``wgmma`` differ in operand layout, so the low tiles'
+bf16 MMAs cannot share a loop body with the high tiles' FP8 ones. Each run is split
+once more into blocks that need no mask and the blocks at the causal or kv_len
+edge (MASK=True). The K ring's slots are sized for the wider copy; an FP8 block
+uses the front of its slot.
 
 The FP8 P·V (``pv="fp8"``) stays on the Triton kernel, which measured faster there
 on an H200, as does head_dim 64 (``target.uses_sm90_kernel``).
@@ -52,51 +57,78 @@ def _is_low(n0, k1, k2, k3, HAS_LO: gl.constexpr):
 
 
 @gluon.jit
-def _loader(k_smem, v_smem, k_ready, k_free, v_ready, v_free, kh_f8, kl_f8, v_ptr,
+def _k_slot(k_smem, slot, LOW: gl.constexpr, LO_BF16: gl.constexpr):
+    """Slot ``slot`` of the K ring as the blocks of the ``LOW`` copy use it. With
+    ``LO_BF16`` the slots hold bf16 blocks; an E4M3 block takes the front half."""
+    k = k_smem.index(slot)
+    if LO_BF16 and not LOW:
+        k = k._reinterpret(gl.float8e4nv, k.shape,
+                           gl.NVMMASharedLayout(swizzle_byte_width=min(k.shape[1], 128), element_bitwidth=8, rank=2))
+    return k
+
+
+@gluon.jit
+def _copy_rows(dst, src, n0, Lk, HKV, ROWS: gl.constexpr, D: gl.constexpr, VEC: gl.constexpr,
+               WARPS: gl.constexpr):
+    """Start copying rows [n0, n0 + ROWS) of a [Lk, HKV, D] slice (``src``: its
+    token 0) into ``dst``, VEC elements (16 bytes) per thread and copy; rows past Lk
+    are zero-filled. The offsets do not depend on n0, so they stay in registers
+    across the loader's loop, shared by copies of one layout."""
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (D // VEC), D // VEC], [WARPS, 1], [1, 0])
+    n = gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+    c = gl.arange(0, D, gl.SliceLayout(0, layout))
+    offs = (n * HKV)[:, None] * D + c[None, :]
+    async_copy.async_copy_global_to_shared(dst, src + n0 * HKV * D + offs, mask=(n0 + n < Lk)[:, None])
+
+
+@gluon.jit
+def _loader(k_smem, kt_smem, v_smem, k_ready, k_free, v_ready, v_free, kh_f8, kl_f8, kl_ts, v_ptr,
             kv_base, Lk, HKV, k1, k2, k3, kend,
             D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LO: gl.constexpr,
-            WARPS: gl.constexpr):
-    """Copy K and V blocks [0, kend) into the slot ring. Each copy is 16
-    bytes per thread; cp.async's mbarrier arrive fires when this thread's copies
-    have landed, so a slot's "ready" barrier counts one arrival per loader thread."""
-    k_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [WARPS, 1], [1, 0])
-    n_k = gl.arange(0, BLOCK_N, gl.SliceLayout(1, k_layout))
-    c_k = gl.arange(0, D, gl.SliceLayout(0, k_layout))
-    k_offs = (n_k * HKV)[:, None] * D + c_k[None, :]
-    v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [WARPS, 1], [1, 0])
-    n_v = gl.arange(0, BLOCK_N, gl.SliceLayout(1, v_layout))
-    c_v = gl.arange(0, D, gl.SliceLayout(0, v_layout))
-    v_offs = (n_v * HKV)[:, None] * D + c_v[None, :]
+            LO_BF16: gl.constexpr, WARPS: gl.constexpr):
+    """Copy K and V blocks [0, kend) into the slot ring, in the consumers' order, and
+    with ``LO_BF16`` a low block's per-key scales into ``kt_smem``. Each copy is 16
+    bytes per thread (4 for the scales); cp.async's mbarrier arrive fires when this
+    thread's copies have landed, so a slot's "ready" barrier counts one arrival per
+    loader thread."""
+    key_layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    keys = gl.arange(0, BLOCK_N, key_layout)
     for n0 in range(0, kend, BLOCK_N):
         j = n0 // BLOCK_N
         slot = j % STAGES
         phase = (j // STAGES) & 1
-        k_ok = (n0 + n_k < Lk)[:, None]
         mbarrier.wait(k_free.index(slot), phase ^ 1)
         if _is_low(n0, k1, k2, k3, HAS_LO):
-            async_copy.async_copy_global_to_shared(k_smem.index(slot), kl_f8 + (kv_base + n0 * HKV) * D + k_offs,
-                                                   mask=k_ok)
+            _copy_rows(_k_slot(k_smem, slot, True, LO_BF16), kl_f8 + kv_base * D, n0, Lk, HKV, BLOCK_N, D,
+                       8 if LO_BF16 else 16, WARPS)
+            if LO_BF16:
+                # Staged beside the block, the consumers read their score columns'
+                # scales from shared memory instead of 32 scattered global loads.
+                async_copy.async_copy_global_to_shared(kt_smem.index(slot), kl_ts + kv_base + (n0 + keys) * HKV,
+                                                       mask=n0 + keys < Lk)
         else:
-            async_copy.async_copy_global_to_shared(k_smem.index(slot), kh_f8 + (kv_base + n0 * HKV) * D + k_offs,
-                                                   mask=k_ok)
+            _copy_rows(_k_slot(k_smem, slot, False, LO_BF16), kh_f8 + kv_base * D, n0, Lk, HKV, BLOCK_N, D, 16,
+                       WARPS)
         async_copy.mbarrier_arrive(k_ready.index(slot), increment_count=False)
         mbarrier.wait(v_free.index(slot), phase ^ 1)
-        async_copy.async_copy_global_to_shared(v_smem.index(slot), v_ptr + (kv_base + n0 * HKV) * D + v_offs,
-                                               mask=(n0 + n_v < Lk)[:, None])
+        _copy_rows(v_smem.index(slot), v_ptr + kv_base * D, n0, Lk, HKV, BLOCK_N, D, 8, WARPS)
         async_copy.mbarrier_arrive(v_ready.index(slot), increment_count=False)
 
 
 @gluon.jit
-def _issue_qk(q_smem, k_smem, k_ready, n0, k1, k2, k3, s_zero,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LO: gl.constexpr, Q_ROW0: gl.constexpr):
+def _issue_qk(q_smem, k_smem, k_ready, n0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              LOW: gl.constexpr, LO_BF16: gl.constexpr, Q_ROW0: gl.constexpr):
     """Start S = Q·Kᵀ of key block n0 on the tensor cores (not waited for)."""
     j = n0 // BLOCK_N
     slot = j % STAGES
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
     fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it async
-    low = _is_low(n0, k1, k2, k3, HAS_LO)
-    qa = q_smem.index(low.to(gl.int32)).slice(Q_ROW0, 64, dim=0)
-    return warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    k = _k_slot(k_smem, slot, LOW, LO_BF16)
+    # The accumulator's layout names the instruction's k: 32 bytes of each operand row.
+    mma_k: gl.constexpr = 256 // k.dtype.primitive_bitwidth
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32,
+                      gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, mma_k]))
+    return warpgroup_mma(q_smem.slice(Q_ROW0, 64, dim=0), k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -116,16 +148,36 @@ def _finish_pv(pv, pa):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, n0, k1, k2, k3, qh_t, ql_t, kh_ts, kl_ts, kts_base, p, Lk, HKV,
-             CAUSAL: gl.constexpr, MASK: gl.constexpr, HAS_LO: gl.constexpr,
+def _read_scores(s, k_t_smem, k_free, j, STAGES: gl.constexpr, PER_KEY: gl.constexpr):
+    """Block j's scores from the wgmma, in the softmax's layout, with K's per-key
+    scales (``PER_KEY``; else 1) read before the slot is given back to the loader."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, s.shape[1], 16])
+    s = gl.convert_layout(s, s_layout)  # same registers whatever the MMA's k: nothing moves
+    if PER_KEY:
+        k_t = k_t_smem.index(j % STAGES).load(gl.SliceLayout(0, s_layout))
+    else:
+        k_t = 1.0
+    mbarrier.arrive(k_free.index(j % STAGES))
+    return s, k_t
+
+
+@gluon.jit
+def _softmax(s, k_t, m_i, l_i, n0, q_t, k_ts, kts_base, p, Lk, HKV,
+             CAUSAL: gl.constexpr, MASK: gl.constexpr, PER_KEY: gl.constexpr,
              p_dtype: gl.constexpr, p_layout: gl.constexpr):
     """Online-softmax step on the raw scores S of key block n0: (P as the P·V
-    operand, new row max, the rescale factor of the running sums, new row sum)."""
-    # One scale per key tile for K's copy; with Q's token scale a row factor.
-    if _is_low(n0, k1, k2, k3, HAS_LO):
-        row = ql_t * gl.load(kl_ts + kts_base + (n0 // _TILE) * HKV)
+    operand, new row max, the rescale factor of the running sums, new row sum).
+    ``q_t``: Q's scale per row; K's scales are ``k_t`` per key with ``PER_KEY``
+    (NVFP4's ``s2``), else one per key tile in ``k_ts``."""
+    if PER_KEY:
+        # NVFP4's bf16 copies: products of e·sb are exact, the sums fp32; K's s2
+        # scales each key's column and Q's s2 is the row factor.
+        s = s * k_t[None, :]
+        row = q_t
     else:
-        row = qh_t * gl.load(kh_ts + kts_base + (n0 // _TILE) * HKV)
+        # One scale per key tile for K's E4M3 copy; with Q's token scale a row factor.
+        row = q_t * gl.load(k_ts + kts_base + (n0 // _TILE) * HKV)
     if MASK:
         # Scale before masking: a zero row factor times -inf would be NaN.
         s = s * row[:, None]
@@ -147,23 +199,36 @@ def _softmax(s, m_i, l_i, n0, k1, k2, k3, qh_t, ql_t, kh_ts, kl_ts, kts_base, p,
 
 
 @gluon.jit
-def _consume_run(acc, m_i, l_i, pa, q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
-                 qh_t, ql_t, kh_ts, kl_ts, kts_base, p, Lk, HKV, k1, k2, k3, lo, hi,
-                 D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                 MASK: gl.constexpr, HAS_LO: gl.constexpr, HALF_IDX: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_dtype: gl.constexpr, p_layout: gl.constexpr):
-    """Key blocks [lo, hi), lo >= 1, for this warpgroup's 64 rows, in FA3's order:
-    block j's Q·Kᵀ and block j-1's P·V go to the tensor cores together, and the
-    softmax of block j runs while the P·V is in flight. ``pa`` is block lo-1's P."""
-    s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+def _first_block(m_i, l_i, q_smem, k_smem, kt_smem, k_ready, k_free, q_t, k_ts, kts_base, p, Lk, HKV,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, LOW: gl.constexpr,
+                 LO_BF16: gl.constexpr, HALF_IDX: gl.constexpr, p_dtype: gl.constexpr, p_layout: gl.constexpr):
+    """Key block 0 alone (masked: it may hold the causal edge): its P, row max and sum."""
+    s = _issue_qk(q_smem, k_smem, k_ready, 0, BLOCK_N, STAGES, LOW, LO_BF16, HALF_IDX * 64)
+    s, k_t = _read_scores(warpgroup_mma_wait(num_outstanding=0, deps=(s, )), kt_smem, k_free, 0, STAGES,
+                          LOW and LO_BF16)
+    pa, m_i, alpha, l_i = _softmax(s, k_t, m_i, l_i, 0, q_t, k_ts, kts_base, p, Lk, HKV, CAUSAL, True,
+                                   LOW and LO_BF16, p_dtype, p_layout)
+    return pa, m_i, l_i
+
+
+@gluon.jit
+def _consume_run(acc, m_i, l_i, pa, q_smem, k_smem, kt_smem, v_smem, k_ready, k_free, v_ready, v_free,
+                 q_t, k_ts, kts_base, p, Lk, HKV, lo, hi,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr,
+                 LOW: gl.constexpr, LO_BF16: gl.constexpr, HALF_IDX: gl.constexpr,
+                 o_layout: gl.constexpr, p_dtype: gl.constexpr, p_layout: gl.constexpr):
+    """Key blocks [lo, hi), lo >= 1, all of one copy, for this warpgroup's 64 rows, in
+    FA3's order: block j's Q·Kᵀ and block j-1's P·V go to the tensor cores together,
+    and the softmax of block j runs while the P·V is in flight. ``pa`` is block
+    lo-1's P."""
     for n0 in range(lo, hi, BLOCK_N):
         j = n0 // BLOCK_N
-        s = _issue_qk(q_smem, k_smem, k_ready, n0, k1, k2, k3, s_zero, BLOCK_N, STAGES, HAS_LO, HALF_IDX * 64)
+        s = _issue_qk(q_smem, k_smem, k_ready, n0, BLOCK_N, STAGES, LOW, LO_BF16, HALF_IDX * 64)
         pv = _issue_pv(pa, acc, v_smem, v_ready, j - 1, STAGES)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-        mbarrier.arrive(k_free.index(j % STAGES))
-        pa_next, m_i, alpha, l_i = _softmax(s, m_i, l_i, n0, k1, k2, k3, qh_t, ql_t, kh_ts, kl_ts, kts_base, p,
-                                            Lk, HKV, CAUSAL, MASK, HAS_LO, p_dtype, p_layout)
+        s, k_t = _read_scores(warpgroup_mma_wait(num_outstanding=1, deps=(s, )), kt_smem, k_free, j, STAGES,
+                              LOW and LO_BF16)
+        pa_next, m_i, alpha, l_i = _softmax(s, k_t, m_i, l_i, n0, q_t, k_ts, kts_base, p, Lk, HKV,
+                                            CAUSAL, MASK, LOW and LO_BF16, p_dtype, p_layout)
         acc = _finish_pv(pv, pa)
         mbarrier.arrive(v_free.index((j - 1) % STAGES))
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -172,15 +237,15 @@ def _consume_run(acc, m_i, l_i, pa, q_smem, k_smem, v_smem, k_ready, k_free, v_r
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
+def _consumer(qh_smem, ql_smem, k_smem, kt_smem, v_smem, k_ready, k_free, v_ready, v_free,
               qh_ts, ql_ts, kh_ts, kl_ts, o_ptr,
               b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
               D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              HAS_LO: gl.constexpr, HALF_IDX: gl.constexpr):
+              HAS_LO: gl.constexpr, LO_BF16: gl.constexpr, HALF_IDX: gl.constexpr):
     """One warpgroup: 64 query rows from p0 + 64 * HALF_IDX."""
     HALF: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
+                                                       instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, 16])
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -202,27 +267,57 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
     safe = (Lk // BLOCK_N) * BLOCK_N
     if CAUSAL:
         safe = gl.maximum(gl.minimum(safe, ((p_lo + 1) // BLOCK_N) * BLOCK_N), 0)
-    split = gl.minimum(safe, kend)
+    split = gl.maximum(gl.minimum(safe, kend), BLOCK_N)
     # P goes to the P·V from registers, in V's dtype.
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     p_dtype: gl.constexpr = v_smem.dtype
     if kend > 0:  # else no key block: the loader copies nothing, the rows stay empty
-        # Block 0 alone (masked: it may hold the causal edge), then blocks 1.. in
-        # pairs with the previous block's P·V, then the last block's P·V.
-        s = _issue_qk(q_smem, k_smem, k_ready, 0, k1, k2, k3, gl.zeros([HALF, BLOCK_N], gl.float32, s_layout),
-                      BLOCK_N, STAGES, HAS_LO, HALF_IDX * HALF)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        mbarrier.arrive(k_free.index(0))
-        pa, m_i, alpha, l_i = _softmax(s, m_i, l_i, 0, k1, k2, k3, qh_t, ql_t, kh_ts, kl_ts, kts_base, p, Lk, HKV,
-                                       CAUSAL, True, HAS_LO, p_dtype, p_layout)
-        acc, m_i, l_i, pa = _consume_run(acc, m_i, l_i, pa, q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
-                                         qh_t, ql_t, kh_ts, kl_ts, kts_base, p, Lk, HKV, k1, k2, k3,
-                                         BLOCK_N, split, D, BLOCK_N, STAGES, CAUSAL, False, HAS_LO,
-                                         HALF_IDX, s_layout, o_layout, p_dtype, p_layout)
-        acc, m_i, l_i, pa = _consume_run(acc, m_i, l_i, pa, q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
-                                         qh_t, ql_t, kh_ts, kl_ts, kts_base, p, Lk, HKV, k1, k2, k3,
-                                         gl.maximum(split, BLOCK_N), kend, D, BLOCK_N, STAGES, CAUSAL, True,
-                                         HAS_LO, HALF_IDX, s_layout, o_layout, p_dtype, p_layout)
+        # Block 0 alone; then the unmasked blocks [BLOCK_N, split) run by run (sink
+        # high, far low, diagonal band high, far side low), each with the previous
+        # block's P·V; then the masked blocks [split, kend) at the kv_len or causal
+        # edge; then the last block's P·V. The masked blocks lie in one key tile (the
+        # program's rows lie in one tile and BLOCK_N divides it), so in one run.
+        if _is_low(0, k1, k2, k3, HAS_LO):
+            pa, m_i, l_i = _first_block(m_i, l_i, ql_smem, k_smem, kt_smem, k_ready, k_free, ql_t, kl_ts, kts_base,
+                                        p, Lk, HKV, BLOCK_N, STAGES, CAUSAL, HAS_LO, LO_BF16, HALF_IDX,
+                                        p_dtype, p_layout)
+        else:
+            pa, m_i, l_i = _first_block(m_i, l_i, qh_smem, k_smem, kt_smem, k_ready, k_free, qh_t, kh_ts, kts_base,
+                                        p, Lk, HKV, BLOCK_N, STAGES, CAUSAL, False, LO_BF16, HALF_IDX,
+                                        p_dtype, p_layout)
+        if HAS_LO:
+            acc, m_i, l_i, pa = _consume_run(acc, m_i, l_i, pa, qh_smem, k_smem, kt_smem, v_smem, k_ready, k_free,
+                                             v_ready, v_free, qh_t, kh_ts, kts_base, p, Lk, HKV,
+                                             BLOCK_N, gl.minimum(k1, split), BLOCK_N, STAGES, CAUSAL, False, False,
+                                             LO_BF16, HALF_IDX, o_layout, p_dtype, p_layout)
+            acc, m_i, l_i, pa = _consume_run(acc, m_i, l_i, pa, ql_smem, k_smem, kt_smem, v_smem, k_ready, k_free,
+                                             v_ready, v_free, ql_t, kl_ts, kts_base, p, Lk, HKV,
+                                             gl.maximum(k1, BLOCK_N), gl.minimum(k2, split), BLOCK_N, STAGES,
+                                             CAUSAL, False, True, LO_BF16, HALF_IDX, o_layout, p_dtype, p_layout)
+            acc, m_i, l_i, pa = _consume_run(acc, m_i, l_i, pa, qh_smem, k_smem, kt_smem, v_smem, k_ready, k_free,
+                                             v_ready, v_free, qh_t, kh_ts, kts_base, p, Lk, HKV,
+                                             gl.maximum(k2, BLOCK_N), gl.minimum(k3, split), BLOCK_N, STAGES,
+                                             CAUSAL, False, False, LO_BF16, HALF_IDX, o_layout, p_dtype, p_layout)
+            if not CAUSAL:
+                acc, m_i, l_i, pa = _consume_run(acc, m_i, l_i, pa, ql_smem, k_smem, kt_smem, v_smem, k_ready,
+                                                 k_free, v_ready, v_free, ql_t, kl_ts, kts_base, p, Lk, HKV,
+                                                 gl.maximum(k3, BLOCK_N), split, BLOCK_N, STAGES, CAUSAL, False,
+                                                 True, LO_BF16, HALF_IDX, o_layout, p_dtype, p_layout)
+        else:
+            acc, m_i, l_i, pa = _consume_run(acc, m_i, l_i, pa, qh_smem, k_smem, kt_smem, v_smem, k_ready, k_free,
+                                             v_ready, v_free, qh_t, kh_ts, kts_base, p, Lk, HKV, BLOCK_N, split,
+                                             BLOCK_N, STAGES, CAUSAL, False, False, LO_BF16, HALF_IDX,
+                                             o_layout, p_dtype, p_layout)
+        if _is_low(split, k1, k2, k3, HAS_LO):
+            acc, m_i, l_i, pa = _consume_run(acc, m_i, l_i, pa, ql_smem, k_smem, kt_smem, v_smem, k_ready, k_free,
+                                             v_ready, v_free, ql_t, kl_ts, kts_base, p, Lk, HKV, split, kend,
+                                             BLOCK_N, STAGES, CAUSAL, True, HAS_LO, LO_BF16, HALF_IDX,
+                                             o_layout, p_dtype, p_layout)
+        else:
+            acc, m_i, l_i, pa = _consume_run(acc, m_i, l_i, pa, qh_smem, k_smem, kt_smem, v_smem, k_ready, k_free,
+                                             v_ready, v_free, qh_t, kh_ts, kts_base, p, Lk, HKV, split, kend,
+                                             BLOCK_N, STAGES, CAUSAL, True, False, LO_BF16, HALF_IDX,
+                                             o_layout, p_dtype, p_layout)
         last = kend // BLOCK_N - 1
         pv = _issue_pv(pa, acc, v_smem, v_ready, last, STAGES)
         acc = _finish_pv(pv, pa)
@@ -239,23 +334,35 @@ def _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free,
 
 
 @gluon.jit
-def _consumer_0(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts,
-                o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
+def _consumer_0(qh_smem, ql_smem, k_smem, kt_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts,
+                kl_ts, o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
                 D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                HAS_LO: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts,
-              o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
-              D, BLOCK_N, STAGES, CAUSAL, HAS_LO, 0)
+                HAS_LO: gl.constexpr, LO_BF16: gl.constexpr):
+    _consumer(qh_smem, ql_smem, k_smem, kt_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts,
+              kl_ts, o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
+              D, BLOCK_N, STAGES, CAUSAL, HAS_LO, LO_BF16, 0)
 
 
 @gluon.jit
-def _consumer_1(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts,
-                o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
+def _consumer_1(qh_smem, ql_smem, k_smem, kt_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts,
+                kl_ts, o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
                 D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                HAS_LO: gl.constexpr):
-    _consumer(q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts,
-              o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
-              D, BLOCK_N, STAGES, CAUSAL, HAS_LO, 1)
+                HAS_LO: gl.constexpr, LO_BF16: gl.constexpr):
+    _consumer(qh_smem, ql_smem, k_smem, kt_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts,
+              kl_ts, o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
+              D, BLOCK_N, STAGES, CAUSAL, HAS_LO, LO_BF16, 1)
+
+
+@gluon.jit
+def _load_q(smem, ptr, b, h, p0, Lq, HQ, q_offset, D: gl.constexpr):
+    """Store the program's BLOCK_M rows of a [B, Lq, HQ, D] Q copy into ``smem``
+    (rows outside the query are zeros)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [4, 1], [1, 0])
+    rows = p0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout)) - q_offset
+    cols = gl.arange(0, D, gl.SliceLayout(0, layout))
+    ok = ((rows >= 0) & (rows < Lq))[:, None]
+    offs = ((b * Lq + rows) * HQ + h).to(gl.int64)[:, None] * D + cols[None, :]
+    smem.store(gl.load(ptr + offs, mask=ok, other=0.0))
 
 
 @gluon.jit
@@ -264,10 +371,11 @@ def _dma_attention_sm90_kernel(
     Lq, Lk, HQ, HKV, q_offset, block0, diag, sink,
     o_ptr,
     D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    HAS_LO: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    HAS_LO: gl.constexpr, LO_BF16: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):
-    """Operands as for ``attention._dma_attention_kernel``'s FP8 path; grid
-    (query blocks of BLOCK_M, HQ, B), 4 warps (the first consumer) plus the workers."""
+    """Operands as for ``attention._dma_attention_kernel`` (its ``LO_FMT`` "bf16" is
+    ``LO_BF16``: ``ql_f8`` and ``kl_f8`` bf16, ``ql_ts`` and ``kl_ts`` per token);
+    grid (query blocks of BLOCK_M, HQ, B), 4 warps (the first consumer) plus the workers."""
     if CAUSAL:
         # Longest tiles first across all heads of a batch item, as in
         # attention._dma_attention_kernel (which says why).
@@ -283,23 +391,33 @@ def _dma_attention_sm90_kernel(
     p0 = (block0 + m) * BLOCK_M
     k1, k2, k3, kend = key_runs(p0, Lk, sink, diag, CAUSAL, BLOCK_M, BLOCK_N)
 
-    # Both Q copies of the program's rows, [copy, row, D], copy 1 the low one.
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (D // 16), D // 16], [4, 1], [1, 0])
-    q_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(D, 128), element_bitwidth=8, rank=2)
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, D], q_shared)
-    rows = p0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, q_layout)) - q_offset
-    cols = gl.arange(0, D, gl.SliceLayout(0, q_layout))
-    q_ok = ((rows >= 0) & (rows < Lq))[:, None]
-    q_offs = ((b * Lq + rows) * HQ + h).to(gl.int64)[:, None] * D + cols[None, :]
-    qh_p = qh_f8.to(gl.pointer_type(gl.float8e4nv), bitcast=True)
-    q_smem.index(0).store(gl.load(qh_p + q_offs, mask=q_ok, other=0.0))
+    # The E4M3 copies arrive as bytes (uint8 pointers): read them as FP8.
+    fp8: gl.constexpr = gl.float8e4nv
+    f8_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(D, 128), element_bitwidth=8, rank=2)
+    qh_smem = gl.allocate_shared_memory(fp8, [BLOCK_M, D], f8_shared)
+    _load_q(qh_smem, qh_f8.to(gl.pointer_type(fp8), bitcast=True), b, h, p0, Lq, HQ, q_offset, D)
+    if LO_BF16:
+        lo_dtype: gl.constexpr = gl.bfloat16
+        kl_p = kl_f8
+        ql_p = ql_f8
+    else:
+        lo_dtype: gl.constexpr = fp8
+        kl_p = kl_f8.to(gl.pointer_type(fp8), bitcast=True)
+        ql_p = ql_f8.to(gl.pointer_type(fp8), bitcast=True)
+    lo_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(D * lo_dtype.primitive_bitwidth // 8, 128),
+                                                   element_bitwidth=lo_dtype.primitive_bitwidth, rank=2)
     if HAS_LO:
-        ql_p = ql_f8.to(gl.pointer_type(gl.float8e4nv), bitcast=True)
-        q_smem.index(1).store(gl.load(ql_p + q_offs, mask=q_ok, other=0.0))
+        ql_smem = gl.allocate_shared_memory(lo_dtype, [BLOCK_M, D], lo_shared)
+        _load_q(ql_smem, ql_p, b, h, p0, Lq, HQ, q_offset, D)
+    else:
+        ql_smem = qh_smem
     fence_async_shared()
 
-    k_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(D, 128), element_bitwidth=8, rank=2)
-    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], k_shared)
+    # K's ring holds the wider copy's blocks (_k_slot); with LO_BF16 a low block's
+    # per-key scales sit beside it in kt_smem (one placeholder float per slot otherwise).
+    k_smem = gl.allocate_shared_memory(lo_dtype, [STAGES, BLOCK_N, D], lo_shared)
+    kt_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N if LO_BF16 else 1],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
     v_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(2 * D, 128), element_bitwidth=16, rank=2)
     v_smem = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, BLOCK_N, D], v_shared)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -313,15 +431,14 @@ def _dma_attention_sm90_kernel(
         mbarrier.init(v_free.index(i), count=2)
 
     kv_base = (b.to(gl.int64) * Lk) * HKV + kvh
-    kh_p = kh_f8.to(gl.pointer_type(gl.float8e4nv), bitcast=True)
-    kl_p = kl_f8.to(gl.pointer_type(gl.float8e4nv), bitcast=True)
+    kh_p = kh_f8.to(gl.pointer_type(fp8), bitcast=True)
     gl.warp_specialize([
-        (_consumer_0, (q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts,
-                       o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
-                       D, BLOCK_N, STAGES, CAUSAL, HAS_LO)),
-        (_consumer_1, (q_smem, k_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts, kh_ts, kl_ts,
-                       o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
-                       D, BLOCK_N, STAGES, CAUSAL, HAS_LO)),
-        (_loader, (k_smem, v_smem, k_ready, k_free, v_ready, v_free, kh_p, kl_p, v_ptr, kv_base,
-                   Lk, HKV, k1, k2, k3, kend, D, BLOCK_N, STAGES, HAS_LO, LOADER_WARPS)),
+        (_consumer_0, (qh_smem, ql_smem, k_smem, kt_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts,
+                       kh_ts, kl_ts, o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
+                       D, BLOCK_N, STAGES, CAUSAL, HAS_LO, LO_BF16)),
+        (_consumer_1, (qh_smem, ql_smem, k_smem, kt_smem, v_smem, k_ready, k_free, v_ready, v_free, qh_ts, ql_ts,
+                       kh_ts, kl_ts, o_ptr, b, h, kvh, p0, Lq, Lk, HQ, HKV, q_offset, k1, k2, k3, kend,
+                       D, BLOCK_N, STAGES, CAUSAL, HAS_LO, LO_BF16)),
+        (_loader, (k_smem, kt_smem, v_smem, k_ready, k_free, v_ready, v_free, kh_p, kl_p, kl_ts, v_ptr, kv_base,
+                   Lk, HKV, k1, k2, k3, kend, D, BLOCK_N, STAGES, HAS_LO, LO_BF16, LOADER_WARPS)),
     ], [CONSUMER_WARPS, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])

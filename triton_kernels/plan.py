@@ -280,7 +280,7 @@ def _triton_attention(q: Buffer, v: Buffer, q_args: tuple[str, ...], k_args: tup
 
 
 def _sm90_attention(q: Buffer, v: Buffer, *, causal: bool, q_offset: int, diag: int, sink: int, has_lo: bool,
-                    gluon: tuning.Sm90GluonConfig) -> Launch:
+                    lo_bf16: bool, gluon: tuning.Sm90GluonConfig) -> Launch:
     b, q_len, q_heads, d = q.shape
     kv_len, kv_heads = v.shape[1], v.shape[2]
     n_m, block0 = query_blocks(q_len, q_offset, attn90.BLOCK_M.value)
@@ -289,8 +289,8 @@ def _sm90_attention(q: Buffer, v: Buffer, *, causal: bool, q_offset: int, diag: 
         (*_operands("q")[5:], *_operands("k")[5:], v.name, _i32(q_len), _i32(kv_len), _i32(q_heads),
          _i32(kv_heads), _i32(q_offset), _i32(block0), _i32(diag), _i32(sink)),
         (Buffer("out", q.shape, q.dtype),),
-        _meta(D=d, BLOCK_N=gluon.block_n, STAGES=gluon.stages_causal if causal else gluon.stages_full,
-              CAUSAL=causal, HAS_LO=has_lo, CONSUMER_REGS=gluon.consumer_regs, LOADER_REGS=gluon.loader_regs),
+        _meta(D=d, BLOCK_N=gluon.block_n, STAGES=gluon.stages(causal, lo_bf16), CAUSAL=causal, HAS_LO=has_lo,
+              LO_BF16=lo_bf16, CONSUMER_REGS=gluon.consumer_regs, LOADER_REGS=gluon.loader_regs),
         num_warps=gluon.num_warps, gluon=True)
 
 
@@ -310,7 +310,7 @@ def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: b
     ``low_rule``: the block-scale rules; ``rotate``: the Hadamard rotation of Q and K
     (its factor 1/D goes into Q's fold). ``nvfp4_copy``: what NVFP4 tiles that are not
     native multiply: "bf16" (``e · sb`` exactly, with per-token ``s2`` factors on both
-    sides of the scores; the Triton kernel) or "e4m3" (rounded into the E4M3 copies).
+    sides of the scores, bf16 MMAs) or "e4m3" (rounded into the E4M3 copies).
 
     ``native`` forces ``tl.dot_scaled`` on or off (default by GPU); ``kernel``
     ("triton" or "gluon") the attention kernel (default ``target.uses_sm90_kernel``);
@@ -341,12 +341,10 @@ def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: b
     if pv_fp8:
         launches.extend(fp8_transpose_plan(v, target).launches)
     if kernel is None:
-        kernel = "gluon" if uses_sm90_kernel(target.capability, d, v.dtype, pv_fp8, tiles, lo_bf16) else "triton"
-    if kernel == "gluon" and lo_bf16:
-        raise ValueError("the Gluon kernel reads E4M3 copies only: NVFP4 tiles need nvfp4_copy='e4m3' there")
+        kernel = "gluon" if uses_sm90_kernel(target.capability, d, v.dtype, pv_fp8, tiles) else "triton"
     if kernel == "gluon":
         launches.append(_sm90_attention(q, v, causal=causal, q_offset=q_offset, diag=diag_tiles, sink=sink_tiles,
-                                        has_lo=has_lo, gluon=gluon))
+                                        has_lo=has_lo, lo_bf16=lo_bf16, gluon=gluon))
     else:
         launch = launch or tuning.launch_config(d, causal, pv_fp8, target.capability, lo_bf16=lo_bf16)
         launches.append(_triton_attention(

@@ -47,10 +47,10 @@ def resolve_native(capability: tuple[int, int] | None, native: bool | None) -> t
 
 
 def uses_sm90_kernel(capability: tuple[int, int] | None, head_dim: int, dtype: str, pv_fp8: bool,
-                     native: tuple[bool, bool], lo_bf16: bool = False) -> bool:
+                     native: tuple[bool, bool]) -> bool:
     """Whether a DMA call's attention launch is the Gluon sm_90 kernel rather than the
-    Triton one: an sm_90 GPU, head_dim 128, bf16/fp16 V and P·V, Q·Kᵀ on the E4M3
-    copies only (not NVFP4's exact bf16 copies, ``lo_bf16``). Elsewhere (head_dim 64,
-    the FP8 P·V) the Triton kernel measured as fast or faster on the H200."""
+    Triton one: an sm_90 GPU, head_dim 128, bf16/fp16 V and P·V, Q·Kᵀ on copies
+    (E4M3, or NVFP4's exact bf16 ones), not native. Elsewhere (head_dim 64, the FP8
+    P·V) the Triton kernel measured as fast or faster on the H200."""
     return (capability == (9, 0) and head_dim == 128 and dtype in ("bfloat16", "float16") and not pv_fp8
-            and not any(native) and not lo_bf16)
+            and not any(native))
