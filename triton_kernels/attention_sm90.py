@@ -396,12 +396,11 @@ def _dma_attention_sm90_kernel(
     f8_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(D, 128), element_bitwidth=8, rank=2)
     qh_smem = gl.allocate_shared_memory(fp8, [BLOCK_M, D], f8_shared)
     _load_q(qh_smem, qh_f8.to(gl.pointer_type(fp8), bitcast=True), b, h, p0, Lq, HQ, q_offset, D)
+    lo_dtype: gl.constexpr = gl.bfloat16 if LO_BF16 else fp8
     if LO_BF16:
-        lo_dtype: gl.constexpr = gl.bfloat16
         kl_p = kl_f8
         ql_p = ql_f8
     else:
-        lo_dtype: gl.constexpr = fp8
         kl_p = kl_f8.to(gl.pointer_type(fp8), bitcast=True)
         ql_p = ql_f8.to(gl.pointer_type(fp8), bitcast=True)
     lo_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(D * lo_dtype.primitive_bitwidth // 8, 128),
