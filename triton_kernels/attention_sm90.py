@@ -20,10 +20,10 @@ rows in two consumer warpgroups of 64 rows each plus one loader warpgroup
 The key range is walked in the runs of tiles of ``attention.key_runs`` (sink,
 far, diagonal band, far side), one loop per run whose format is a compile-time
 constant: an FP8 and a bf16 ``wgmma`` differ in operand layout, so the low tiles'
-bf16 MMAs cannot share a loop body with the high tiles' FP8 ones. Each run is split
-once more into blocks that need no mask and the blocks at the causal or kv_len
-edge (MASK=True). The K ring's slots are sized for the wider copy; an FP8 block
-uses the front of its slot.
+bf16 MMAs cannot share a loop body with the high tiles' FP8 ones. The runs take
+the blocks that need no mask; the blocks at the causal or kv_len edge (MASK=True)
+lie in one key tile and come last, in one loop of that tile's format. The K ring's
+slots are sized for the wider copy; an FP8 block uses the front of its slot.
 
 The FP8 P·V (``pv="fp8"``) stays on the Triton kernel, which measured faster there
 on an H200, as does head_dim 64 (``target.uses_sm90_kernel``).
