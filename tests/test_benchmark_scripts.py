@@ -88,3 +88,52 @@ def test_b200_check_parity_part_runs_in_the_interpreter():
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "sm_100 parity in the interpreter: " in done.stdout and " passed" in done.stdout
+
+
+HLO = """HloModule step
+
+%fused (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  ROOT %s = f32[2]{0} sine(%p)
+}
+
+ENTRY %main (a: f32[2], b: u8[4]) -> (f32[2], u8[4]) {
+  %a = f32[2]{0} parameter(0)
+  %b = u8[4]{0} parameter(1)
+  %k = f32[] constant(1)
+  %f = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused
+  %c = (f32[2]{0}, u8[4]{0}) custom-call(%f, %b), custom_call_target="triton_kernel_call"
+  %g = f32[2]{0} get-tuple-element(%c), index=0
+  %u = u8[4]{0} get-tuple-element(%c), index=1
+  %w = u8[4]{0} scatter(%u, %b, %b), update_window_dims={}, to_apply=%fused
+  ROOT %t = (f32[2]{0}, u8[4]{0}) tuple(%g, %w)
+}
+"""
+
+
+def test_decode_step_counts_launching_operations():
+    """benchmarks/decode_step.py's parser counts the ENTRY computation's instructions
+    by opcode, without those that launch nothing (parameters, constants, tuples) and
+    without the fused computations' bodies."""
+    path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
+    done = subprocess.run([sys.executable, "-c", "import decode_step, json, sys; "
+                           "print(json.dumps(decode_step.entry_ops(sys.argv[1])))", HLO],
+                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == {"fusion": 1, "custom-call": 1, "scatter": 1}
+
+
+@pytest.mark.slow
+def test_decode_step_runs_on_cpu(tmp_path):
+    """benchmarks/decode_step.py runs on the CPU and writes one row per attention
+    choice whose counts add up; the low-bit cache's step runs more operations."""
+    path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_step.py"), "--prompt", "16",
+                           "--steps", "3", "--attention", "exact,dma+dma", "--out", str(tmp_path)],
+                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "decode_step_cpu.json").read_text())["rows"]
+    assert set(rows) == {"exact", "dma+dma"}
+    for row in rows.values():
+        assert row["step_ms"] > 0 and row["ops"] == sum(row["by_kind"].values()) > 0
+    assert rows["dma+dma"]["ops"] > rows["exact"]["ops"]

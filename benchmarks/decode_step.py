@@ -1,0 +1,123 @@
+"""Where a decode step of the model goes: for each attention choice, the jitted step's
+time and the operations XLA runs in it.
+
+For SmolLM2-135M (the embedded GGUF, or ``--checkpoint``) at one prompt length and
+batch size: prefill once, then time the model's decode step (greedy, jitted over the
+split model, the cache donated on a GPU) as back-to-back calls, and count the
+top-level operations of the step's optimized HLO by kind: fusions, custom calls
+(Triton kernels, cuDNN), scatters and the rest. Each is at least one kernel launch,
+so the counts show whether a step is bound by its kernels or by launching them.
+Prints a table and writes ``results/decode_step_<gpu>.json``.
+
+    python benchmarks/decode_step.py [--prompt 2048] [--batch 1] [--steps 64]
+        [--attention cudnn,dma,dma+dma,dma+dma-fp8v] [--checkpoint PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import pathlib
+import re
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # models/, the repository's example
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from device_name import gpu_tag
+from models.llama import AttentionSpec, load_checkpoint, new_cache
+
+SPECS = {
+    "exact": AttentionSpec.named("exact"),
+    "cudnn": AttentionSpec.named("cudnn"),
+    "dma": AttentionSpec.named("dma", decode="cudnn"),
+    "dma+dma": AttentionSpec.named("dma", decode="dma"),
+    "dma+dma-fp8v": AttentionSpec.named("dma", decode="dma", kv_cache="fp8"),
+}
+# HLO instructions that launch nothing.
+_FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id"}
+_OPCODE = re.compile(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9-]*)\(")
+
+
+def entry_ops(hlo: str) -> collections.Counter:
+    """Opcodes of the ENTRY computation's instructions in an HLO module's text,
+    without those that launch nothing."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    body = entry[entry.index("{") + 1:entry.index("\n}")]
+    found = (_OPCODE.search(line) for line in body.splitlines())
+    return collections.Counter(m.group(1) for m in found if m and m.group(1) not in _FREE)
+
+
+def measure(model, spec: AttentionSpec, prompt: int, batch: int, steps: int) -> dict:
+    graphdef, state = nnx.split(model)
+
+    def prefill(state, tokens, cache):
+        logits, cache = nnx.merge(graphdef, state).prefill(tokens, cache, spec, last_only=True)
+        return jnp.argmax(logits, -1).astype(jnp.int32)[:, None], cache
+
+    def step(state, token, cache):
+        logits, cache = nnx.merge(graphdef, state).decode(token, cache, spec)
+        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], cache
+
+    donate = (2,) if jax.default_backend() != "cpu" else ()
+    tokens = jax.random.randint(jax.random.key(prompt), (batch, prompt), 100, model.config.vocab_size)
+    cache = new_cache(model.config, spec, batch, prompt + steps + 1, model.dtype)
+    token, cache = jax.jit(prefill, donate_argnums=donate)(state, tokens, cache)
+    compiled = jax.jit(step, donate_argnums=donate).lower(state, token, cache).compile()
+    token, cache = compiled(state, token, cache)  # warm-up
+    jax.block_until_ready(token)
+    start = time.perf_counter()
+    for _ in range(steps - 1):
+        token, cache = compiled(state, token, cache)
+    jax.block_until_ready(token)
+    ms = 1e3 * (time.perf_counter() - start) / (steps - 1)
+    ops = entry_ops(compiled.as_text())
+    layers = model.config.num_layers
+    return {"step_ms": ms, "ms_per_layer": ms / layers, "ops": sum(ops.values()),
+            "ops_per_layer": sum(ops.values()) / layers, "by_kind": dict(ops.most_common())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompt", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--attention", default="cudnn,dma,dma+dma,dma+dma-fp8v")
+    p.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: the embedded SmolLM2-135M)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = p.parse_args()
+    names = args.attention.split(",")
+    unknown = sorted(set(names) - set(SPECS))
+    if unknown:
+        raise SystemExit(f"unknown --attention {unknown}; choose from {sorted(SPECS)}")
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    model, _ = load_checkpoint(args.checkpoint, dtype=dtype)
+    rows = {name: measure(model, SPECS[name], args.prompt, args.batch, args.steps) for name in names}
+    device = jax.devices()[0].device_kind
+    print(f"{device}, prompt {args.prompt}, batch {args.batch}, {model.config.num_layers} layers, "
+          f"{args.steps} steps back to back")
+    print("| attention | ms per step | ms per layer | operations per step | per layer | main kinds |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, r in rows.items():
+        kinds = ", ".join(f"{k} {n}" for k, n in list(r["by_kind"].items())[:4])
+        print(f"| {name} | {r['step_ms']:.2f} | {r['ms_per_layer']:.3f} | {r['ops']} | {r['ops_per_layer']:.1f} "
+              f"| {kinds} |")
+    os.makedirs(args.out, exist_ok=True)
+    tag = gpu_tag(device) if jax.default_backend() == "gpu" else "cpu"
+    path = os.path.join(args.out, f"decode_step_{tag}.json")
+    with open(path, "w") as fh:
+        json.dump({"date": datetime.date.today().isoformat(), "device": device, "jax": jax.__version__,
+                   "prompt": args.prompt, "batch": args.batch, "steps": args.steps, "rows": rows}, fh, indent=2)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
