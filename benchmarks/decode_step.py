@@ -33,15 +33,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from device_name import gpu_tag
+from generation import SPECS  # the attention choices, named as in the generation benchmark
 from models.llama import AttentionSpec, load_checkpoint, new_cache
 
-SPECS = {
-    "exact": AttentionSpec.named("exact"),
-    "cudnn": AttentionSpec.named("cudnn"),
-    "dma": AttentionSpec.named("dma", decode="cudnn"),
-    "dma+dma": AttentionSpec.named("dma", decode="dma"),
-    "dma+dma-fp8v": AttentionSpec.named("dma", decode="dma", kv_cache="fp8"),
-}
 # HLO instructions that launch nothing.
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id"}
 _OPCODE = re.compile(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9-]*)\(")
