@@ -48,6 +48,14 @@ CONSUMER_WARPS = gl.constexpr(4)
 LOADER_WARPS = gl.constexpr(4)  # a whole warpgroup: 16-byte copies need few registers per thread
 
 
+@gluon.constexpr_function
+def _acc_layout(n, k):
+    """The layout of a wgmma accumulator of 64 rows and ``n`` columns (one warpgroup)
+    whose instruction takes ``k`` elements of each operand row: 32 bytes, so k names
+    the operand type. The registers do not depend on k."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, k])
+
+
 @gluon.jit
 def _is_low(n0, k1, k2, k3, HAS_LO: gl.constexpr):
     if HAS_LO:
@@ -124,10 +132,7 @@ def _issue_qk(q_smem, k_smem, k_ready, n0, BLOCK_N: gl.constexpr, STAGES: gl.con
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
     fence_async_shared()  # cp.async wrote the slot through the generic proxy; wgmma reads it async
     k = _k_slot(k_smem, slot, LOW, LO_BF16)
-    # The accumulator's layout names the instruction's k: 32 bytes of each operand row.
-    mma_k: gl.constexpr = 256 // k.dtype.primitive_bitwidth
-    s_zero = gl.zeros([64, BLOCK_N], gl.float32,
-                      gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, mma_k]))
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, _acc_layout(BLOCK_N, 256 // k.dtype.primitive_bitwidth))
     return warpgroup_mma(q_smem.slice(Q_ROW0, 64, dim=0), k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
 
@@ -151,8 +156,7 @@ def _finish_pv(pv, pa):
 def _read_scores(s, k_t_smem, k_free, j, STAGES: gl.constexpr, PER_KEY: gl.constexpr):
     """Block j's scores from the wgmma, in the softmax's layout, with K's per-key
     scales (``PER_KEY``; else 1) read before the slot is given back to the loader."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, s.shape[1], 16])
+    s_layout: gl.constexpr = _acc_layout(s.shape[1], 16)
     s = gl.convert_layout(s, s_layout)  # same registers whatever the MMA's k: nothing moves
     if PER_KEY:
         k_t = k_t_smem.index(j % STAGES).load(gl.SliceLayout(0, s_layout))
@@ -244,10 +248,8 @@ def _consumer(qh_smem, ql_smem, k_smem, kt_smem, v_smem, k_ready, k_free, v_read
               HAS_LO: gl.constexpr, LO_BF16: gl.constexpr, HALF_IDX: gl.constexpr):
     """One warpgroup: 64 query rows from p0 + 64 * HALF_IDX."""
     HALF: gl.constexpr = 64
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N, 16)
+    o_layout: gl.constexpr = _acc_layout(D, 16)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     p_lo = p0 + HALF_IDX * HALF
     p = p_lo + gl.arange(0, HALF, row_layout)
