@@ -148,6 +148,12 @@ class DMAConfig:
         return {k: options[k] for k in ("diag_tiles", "sink_tiles", "high", "low", "sm_scale", "high_rule",
                                         "low_rule", "rotate")}
 
+    def append_options(self) -> dict:
+        """The keywords of ``triton_kernels.plan.cache_append_plan`` for this config."""
+        high_rule, low_rule = self.scale_rules
+        return dict(high=self.high, low=self.low, high_rule=high_rule, low_rule=low_rule,
+                    rotate=self.rotate == "hadamard", smooth_k=self.smooth_k)
+
     @property
     def scale_rules(self) -> tuple[str, str]:
         """The block-scale rules of the high and the low copies, defaults resolved."""

@@ -1,5 +1,5 @@
-"""Runs launch plans (``triton_kernels.plan``) inside JAX programs: the CUDA lowering of
-``dma_attention``. Triton kernels go through jax-triton's ``triton_call``, the Gluon
+"""Runs launch plans (``triton_kernels.plan``) inside JAX programs: the CUDA lowerings of
+``dma_attention``, ``dma_decode`` and ``dma_cache_append``. Triton kernels go through jax-triton's ``triton_call``, the Gluon
 kernel through ``gluon_call``. jax-triton has no dtype for float8/E8M0/FP4, so codes
 and scales travel as uint8.
 """
@@ -73,12 +73,16 @@ def run(launches: tuple[Launch, ...] | list[Launch], env: dict[str, Any]) -> dic
     for launch in launches:
         out_shape = [jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs]
         args = [_argument(a, env) for a in launch.args]
+        # jax-triton numbers its inputs among the array arguments only.
+        arrays = [a for a in launch.args if not isinstance(a, Scalar)]
+        aliases = {arrays.index(o.updates): i for i, o in enumerate(launch.outputs) if o.updates}
         if launch.gluon:
             outs = gluon_call(*args, kernel=launch.kernel, out_shape=out_shape, grid=launch.grid,
                               num_warps=launch.num_warps, **launch.meta)
         else:
             outs = triton_call(*args, kernel=launch.kernel, out_shape=out_shape, grid=launch.grid,
-                               num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.meta)
+                               num_warps=launch.num_warps, num_stages=launch.num_stages,
+                               input_output_aliases=aliases, **launch.meta)
         env.update((o.name, x) for o, x in zip(launch.outputs, outs))
     return env
 
@@ -126,3 +130,20 @@ def triton_decode(q, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring
     """DMA decode through the Triton kernels; same contract as ``decode.decode_reference``."""
     plan = decode_plan(q, *cache, config=config, v_fp8=v_fp8, sink_len=sink_len, ring_len=ring_len)
     return run(plan.launches, {"q": q, **dict(zip(CACHE_FIELDS, cache))})[plan.result]
+
+
+def cache_append_plan(k, v, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring_len: int,
+                      target: Target | None = None) -> Plan:
+    """The launch of ``dma_cache_append`` for new tokens ``k``, ``v`` and the cache's
+    arrays (``geometry.CACHE_FIELDS`` order) on JAX's GPU (or ``target``)."""
+    buffers = {f: buffer(f, x) for f, x in zip(CACHE_FIELDS, cache)}
+    return plans.cache_append_plan(buffer("new_k", k), buffer("new_v", v), buffers, target or gpu_target(), sink_len=sink_len,
+                                   ring_len=ring_len, v_fp8=v_fp8, **config.append_options())
+
+
+def triton_cache_append(k, v, k_mean, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring_len: int):
+    """The cache's arrays but ``length``, with new tokens written in place by the Triton
+    kernel; same contract as ``kv_cache.append_reference``."""
+    plan = cache_append_plan(k, v, *cache, config=config, v_fp8=v_fp8, sink_len=sink_len, ring_len=ring_len)
+    env = run(plan.launches, {"new_k": k, "new_v": v, "k_mean": k_mean, **dict(zip(CACHE_FIELDS, cache))})
+    return [env[f] for f in CACHE_FIELDS[:-1]]

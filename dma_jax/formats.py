@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triton_kernels.format_table import E4M3, FORMATS, NVFP4_TOKEN_DIVISOR, Format, check_rule
+from triton_kernels.format_table import E4M3, FORMATS, NVFP4_TOKEN_DIVISOR, VALUE_SCALE_RULE, Format, check_rule
 from triton_kernels.geometry import TILE
 
 from .validation import dtype_name, is_array
@@ -507,7 +507,7 @@ def quantize_token_e4m3(x: jax.Array) -> Quantized:
     Returns ``Quantized(codes uint8 [..., D], scales uint8 [...], None)``; a token with a
     NaN or Inf gets the NaN scale 0xFF and zero codes."""
     x = flush_subnormals(jnp.asarray(x).astype(jnp.float32))
-    codes, scales = _quantize_mx(x, _token_format(x.shape[-1]), "up")
+    codes, scales = _quantize_mx(x, _token_format(x.shape[-1]), VALUE_SCALE_RULE)
     return Quantized(codes, scales[..., 0], None)
 
 

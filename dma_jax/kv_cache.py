@@ -12,6 +12,11 @@ Smooth-K subtracts a per-channel mean fixed when the prompt is written (the mean
 finite keys), so the codes of cached keys never change as the sequence grows; the
 softmax is unchanged by any per-channel constant, and ``reference_attention(...,
 k_mean=cache.k_mean)`` on the full sequence gives the same numbers.
+
+``append`` (a decode step's new tokens) is the primitive ``dma_cache_append``: on
+NVIDIA GPUs one Triton launch that quantizes the tokens and writes them into the
+cache's arrays in place (``triton_kernels.cache_append``), elsewhere jnp; both write
+the same bytes. ``write`` (a prompt) is jnp.
 """
 
 from __future__ import annotations
@@ -22,16 +27,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import ad, mlir
 
 from triton_kernels.format_table import FORMATS
-from triton_kernels.geometry import TILE, cache_slot, cache_slots
+from triton_kernels.geometry import CACHE_FIELDS, TILE, cache_slot, cache_slots
 
 from .config import DMAConfig
 from .formats import quantize, quantize_token_e4m3
 from .reference import smoothing_mean
 from .rotation import hadamard
 
-__all__ = ["LowBitKVCache", "V_FORMATS"]
+__all__ = ["LowBitKVCache", "V_FORMATS", "dma_cache_append_p"]
 
 V_FORMATS = ("input", "fp8")
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -47,6 +55,69 @@ def _keys(k: jax.Array, k_mean: jax.Array, config: DMAConfig):
         k32 = hadamard(k32)
     hi_rule, lo_rule = config.scale_rules
     return quantize(k32, config.low, lo_rule), quantize(k32, config.high, hi_rule)
+
+
+def _encoded(k: jax.Array, v: jax.Array, mean: jax.Array, config: DMAConfig, v_fp8: bool,
+             dtype: str) -> dict[str, jax.Array]:
+    """New tokens' arrays by field: the low and high key copies after smooth-K's
+    ``mean`` and the rotation, and the values (in ``dtype``, or E4M3 with ``v_fp8``);
+    NVFP4's token scale and the FP8 values' scale only where the cache stores them."""
+    lo, hi = _keys(jnp.asarray(k), mean, config)
+    out = {"lo_codes": lo.codes, "lo_scales": lo.scales, "hi_codes": hi.codes, "hi_scales": hi.scales}
+    if lo.token_scale is not None:
+        out["lo_token"] = lo.token_scale
+    if v_fp8:
+        values = quantize_token_e4m3(v)
+        out["v"], out["v_scale"] = values.codes, values.scales
+    else:
+        out["v"] = jnp.asarray(v).astype(dtype)
+    return out
+
+
+dma_cache_append_p = Primitive("dma_cache_append")
+dma_cache_append_p.multiple_results = True
+dma_cache_append_p.def_impl(lambda *args, **params: dispatch.apply_primitive(dma_cache_append_p, *args, **params))
+
+
+@dma_cache_append_p.def_abstract_eval
+def _abstract_eval(k, v, k_mean, *cache, config, v_fp8, sink_len, ring_len):
+    return [jax.core.ShapedArray(x.shape, x.dtype) for x in cache[:-1]]
+
+
+def append_reference(k, v, k_mean, *cache, config: DMAConfig, v_fp8: bool, sink_len: int,
+                     ring_len: int) -> list[jax.Array]:
+    """The jnp body of ``dma_cache_append``: the cache's arrays (``CACHE_FIELDS`` but
+    ``length``) with row b's new tokens ``k``, ``v [B, n, H, D]`` at positions
+    ``length[b] ..``; positions at or past the capacity are dropped, high copies too."""
+    arrays = dict(zip(CACHE_FIELDS, cache))
+    b, n = k.shape[:2]
+    capacity, slots = arrays["lo_codes"].shape[1], arrays["hi_codes"].shape[1]
+    pos = arrays["length"][:, None] + jnp.arange(n)[None, :]
+    slot = jnp.where(pos < capacity, cache_slot(pos, sink_len, ring_len), slots)
+    rows = jnp.arange(b)[:, None]
+    for f, x in _encoded(k, v, k_mean, config, v_fp8, arrays["v"].dtype).items():
+        buf = arrays[f]
+        arrays[f] = buf.at[rows, slot if f.startswith("hi_") else pos].set(x.astype(buf.dtype), mode="drop")
+    return [arrays[f] for f in CACHE_FIELDS[:-1]]
+
+
+def _triton_lowering(*args, **params):
+    # Imported on first use: Triton and jax-triton load only on GPU machines.
+    from .executor import triton_cache_append
+
+    return triton_cache_append(*args, **params)
+
+
+mlir.register_lowering(dma_cache_append_p, mlir.lower_fun(append_reference, multiple_results=True))
+mlir.register_lowering(dma_cache_append_p, mlir.lower_fun(_triton_lowering, multiple_results=True), platform="cuda")
+
+
+def _no_gradient(*args, **kwargs):
+    raise NotImplementedError("LowBitKVCache.append is inference-only: it has no gradient.")
+
+
+ad.primitive_jvps[dma_cache_append_p] = _no_gradient
+ad.primitive_transposes[dma_cache_append_p] = _no_gradient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,21 +212,6 @@ class LowBitKVCache:
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"{what}: k and v must have the same number of tokens; got {k.shape[1]} and {v.shape[1]}")
 
-    def _encoded(self, k: jax.Array, v: jax.Array, mean: jax.Array) -> dict[str, jax.Array]:
-        """New tokens' arrays by field: the low and high key copies after smooth-K's
-        ``mean`` and the rotation, and the values; NVFP4's token scale and the FP8
-        values' scale only where the cache stores them."""
-        lo, hi = _keys(jnp.asarray(k), mean, self.config)
-        out = {"lo_codes": lo.codes, "lo_scales": lo.scales, "hi_codes": hi.codes, "hi_scales": hi.scales}
-        if lo.token_scale is not None:
-            out["lo_token"] = lo.token_scale
-        if self.v_format == "fp8":
-            values = quantize_token_e4m3(v)
-            out["v"], out["v_scale"] = values.codes, values.scales
-        else:
-            out["v"] = jnp.asarray(v).astype(self.dtype)
-        return out
-
     def write(self, k: jax.Array, v: jax.Array, lengths: jax.Array | None = None) -> "LowBitKVCache":
         """The cache holding a prompt's keys and values ``[B, T, H, D]`` at positions
         0..T-1, row b's first ``lengths[b]`` of them (default T; rows right-padded),
@@ -178,7 +234,7 @@ class LowBitKVCache:
         pos = jnp.clip(jnp.where(j < sink_len, j, latest), 0, t - 1)  # [B, R]
         rows = jnp.arange(b)[:, None]
         placed: dict[str, Any] = {}
-        for f, x in self._encoded(k, v, mean).items():
+        for f, x in _encoded(k, v, mean, self.config, self.v_format == "fp8", self.dtype).items():
             buf = getattr(self, f)
             placed[f] = x[rows, pos] if f.startswith("hi_") else \
                 jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), 0, axis=1)
@@ -192,14 +248,12 @@ class LowBitKVCache:
         b, n = k.shape[:2]
         if not 1 <= n <= TILE:
             raise ValueError(f"append takes 1 to {TILE} tokens per row; got {n}")
-        pos = self.length[:, None] + jnp.arange(n)[None, :]
-        slot = cache_slot(pos, *self.slots)
-        rows = jnp.arange(b)[:, None]
-        placed: dict[str, Any] = {}
-        for f, x in self._encoded(k, v, self.k_mean).items():
-            buf = getattr(self, f)
-            placed[f] = buf.at[rows, slot if f.startswith("hi_") else pos].set(x.astype(buf.dtype), mode="drop")
-        return dataclasses.replace(self, **placed, length=self.length + n)
+        sink_len, ring_len = self.slots
+        k, v = jnp.asarray(k), jnp.asarray(v)
+        arrays = dma_cache_append_p.bind(k, v, self.k_mean, *(getattr(self, f) for f in CACHE_FIELDS),
+                                         config=self.config, v_fp8=self.v_format == "fp8", sink_len=sink_len,
+                                         ring_len=ring_len)
+        return dataclasses.replace(self, **dict(zip(CACHE_FIELDS, arrays)), length=self.length + n)
 
     @staticmethod
     def bytes_per_token(head_dim: int, *, config: DMAConfig | None = None, v_format: str = "input",

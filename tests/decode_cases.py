@@ -1,6 +1,7 @@
 """Decode cases shared by the CPU tests and the GPU tests: a low-bit KV cache filled
 from a prompt (rows of different lengths) and one appended step, and its oracle,
-``reference_attention`` on each row's full sequence with the cache's smooth-K mean."""
+``reference_attention`` on each row's full sequence with the cache's smooth-K mean;
+and the append cases, new tokens written into a filled cache, jnp or the kernel."""
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,34 @@ CASES = [
     (1, (1000,), 1, 2, 1, 64, 1100, DMAConfig.all_high(), "fp8", jnp.float16),
     (1, (900,), 2, 2, 1, 64, 1000, DMAConfig(smooth_k=False, rotate="none"), "fp8", jnp.float32),
 ]
+
+
+# (batch, prompt lengths, new tokens, kv_heads, head_dim, capacity, config, v_format, dtype):
+# rows of different lengths; tokens crossing a tile with a NaN key and an Inf value;
+# a ring that has wrapped; positions past the capacity; no smoothing or rotation.
+APPEND_CASES = [
+    (2, (300, 250), 5, 2, 64, 512, DMAConfig(), "input", jnp.bfloat16),
+    (2, (120, 60), 20, 1, 64, 512, DMAConfig(low="mxfp4"), "fp8", jnp.float16),
+    (1, (700,), 3, 2, 128, 1024, DMAConfig(diag_tiles=2), "fp8", jnp.bfloat16),
+    (2, (298, 100), 4, 1, 64, 300, DMAConfig(low_rule="4/6"), "input", jnp.float32),
+    (1, (129,), 2, 1, 64, 512, DMAConfig(smooth_k=False, rotate="none", diag_tiles=0, sink_tiles=0), "input",
+     jnp.bfloat16),
+]
+APPEND_IDS = ["default", "mxfp4-fp8v-nan", "wrapped-ring-d128", "past-capacity-4over6", "plain"]
+
+
+def append_inputs(case):
+    """(cache after the prompt, new keys, new values) of an ``APPEND_CASES`` case."""
+    batch, lengths, new, hkv, d, capacity, config, v_format, dtype = case
+    _, k, v = sequences(1, batch, max(lengths) + new, hkv, hkv, d, dtype)
+    cache = LowBitKVCache.empty(batch, capacity, hkv, d, dtype=dtype, config=config, v_format=v_format)
+    cache = cache.write(k[:, :max(lengths)], v[:, :max(lengths)], jnp.asarray(lengths))
+    idx = jnp.asarray(lengths)[:, None] + jnp.arange(new)[None, :]
+    rows = jnp.arange(batch)[:, None]
+    k_new, v_new = k[rows, idx], v[rows, idx]
+    if new > 10:
+        k_new, v_new = k_new.at[0, 9, 0, 3].set(jnp.nan), v_new.at[1, 2, 0, 5].set(jnp.inf)
+    return cache, k_new, v_new
 
 
 def sequences(seed, batch, total, q_heads, kv_heads, head_dim, dtype, steps=1, new=1):
@@ -80,3 +109,31 @@ def kernel_decode(q, cache):
     device = bridge.to_torch(cache.length).device
     tq = torch.from_numpy(np.array(q.astype(jnp.float32))).to(device=device, dtype=getattr(torch, cache.dtype))
     return torch_decode_attention(tq, cache).float().cpu().numpy()
+
+
+def kernel_append(cache, k, v):
+    """The cache's arrays after ``cache.append(k, v)`` by the Triton append kernel
+    (Triton's interpreter on the CPU, CUDA on a GPU), run on copies of the arrays
+    through ``torch_executor.cache_append``: numpy arrays by ``CACHE_FIELDS`` but
+    ``length``."""
+    import torch
+
+    from triton_kernels import torch_executor
+    from triton_kernels.geometry import CACHE_FIELDS
+
+    from conftest import HAS_CUDA
+
+    device = "cuda" if HAS_CUDA else "cpu"
+
+    def tensor(x):
+        x = np.asarray(x)
+        if x.dtype == jnp.bfloat16:
+            return torch.from_numpy(x.view(np.uint16).copy()).view(torch.bfloat16).to(device)
+        return torch.from_numpy(x.copy()).to(device)
+
+    arrays = {f: tensor(getattr(cache, f)) for f in CACHE_FIELDS}
+    sink_len, ring_len = cache.slots
+    out = torch_executor.cache_append(tensor(k), tensor(v), tensor(cache.k_mean), arrays, sink_len=sink_len,
+                                      ring_len=ring_len, v_fp8=cache.v_format == "fp8",
+                                      **cache.config.append_options())
+    return {f: (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).cpu().numpy() for f, t in out.items()}

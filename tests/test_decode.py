@@ -84,6 +84,47 @@ def test_band_copies_are_replaced_as_the_band_moves():
     np.testing.assert_array_equal(np.asarray(cache.hi_codes[:, slot]), np.asarray(hi.codes))
 
 
+@pytest.mark.parametrize("case", [pytest.param(c, id=i) for c, i in zip(
+    decode_cases.APPEND_CASES, decode_cases.APPEND_IDS)])
+def test_append_kernel_writes_the_jnp_bytes(case):
+    """The one-launch append kernel (interpreted on a CPU) writes the bytes that
+    ``LowBitKVCache.append``'s jnp path writes, in every array, and leaves the rest of
+    the cache alone."""
+    cache, k_new, v_new = decode_cases.append_inputs(case)
+    cpu = jax.devices("cpu")[0]
+    want = jax.device_put(cache, cpu).append(jax.device_put(k_new, cpu), jax.device_put(v_new, cpu))
+    got = decode_cases.kernel_append(cache, k_new, v_new)
+    for f, x in got.items():
+        w = np.asarray(getattr(want, f))
+        np.testing.assert_array_equal(x, w.view(np.uint16) if w.dtype == jnp.bfloat16 else w, err_msg=f)
+
+
+def test_append_places_tokens_and_drops_those_past_the_capacity():
+    """Appended tokens land at their positions as ``dma_jax.quantize`` codes them, their
+    high copies at their ring slots; tokens past the capacity change nothing, not even
+    the high copy of the slot their position would wrap to."""
+    cache, k_new, v_new = decode_cases.append_inputs(decode_cases.APPEND_CASES[3])
+    cpu = jax.devices("cpu")[0]
+    cache, k_new, v_new = jax.device_put((cache, k_new, v_new), cpu)
+    after = cache.append(k_new, v_new)
+    sink_len, ring_len = cache.slots
+    assert (sink_len, ring_len) == (0, 300)  # every position has its own slot
+    config = cache.config
+    for row, length in enumerate((298, 100)):
+        keys = dma_jax.rotation.hadamard(k_new[row].astype(jnp.float32) - cache.k_mean[row])
+        hi = dma_jax.quantize(keys, config.high)
+        lo = dma_jax.quantize(keys, config.low, config.low_rule)
+        kept = min(4, 300 - length)
+        np.testing.assert_array_equal(after.lo_codes[row, length:length + kept], lo.codes[:kept])
+        np.testing.assert_array_equal(after.lo_token[row, length:length + kept], lo.token_scale[:kept])
+        np.testing.assert_array_equal(after.hi_codes[row, length:length + kept], hi.codes[:kept])
+        np.testing.assert_array_equal(after.v[row, length:length + kept], v_new[row, :kept])
+    # Positions 300 and 301 of row 0 would wrap to slots 0 and 1: left alone.
+    for f in ("hi_codes", "hi_scales"):
+        np.testing.assert_array_equal(getattr(after, f)[0, :2], getattr(cache, f)[0, :2])
+    np.testing.assert_array_equal(after.length, [302, 104])
+
+
 def test_fp8_values_match_ml_dtypes():
     """V's FP8 form: one power-of-two scale per token, the smallest with amax / scale <=
     448, elements E4M3 rounded to nearest even (ml_dtypes)."""

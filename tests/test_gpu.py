@@ -337,3 +337,24 @@ def test_decode_kernel_matches_full_sequence_reference(case):
     assert decode_cases.rel_l2(out, ref) <= 5e-3
     t_out = dma_jax.torch_decode_attention(bridge.to_torch(q), cache)
     np.testing.assert_array_equal(t_out.float().cpu().numpy(), out)
+
+
+@pytest.mark.parametrize("case", decode_cases.APPEND_CASES, ids=decode_cases.APPEND_IDS)
+def test_append_kernel_writes_the_jnp_bytes_on_gpu(case):
+    """``LowBitKVCache.append`` on the GPU runs the one-launch Triton kernel, in place
+    on a donated cache, and writes the bytes of the jnp path on the CPU; so does the
+    torch executor."""
+    cache, k_new, v_new = decode_cases.append_inputs(case)
+    cpu = jax.devices("cpu")[0]
+    want = jax.device_put(cache, cpu).append(jax.device_put(k_new, cpu), jax.device_put(v_new, cpu))
+    torch_got = decode_cases.kernel_append(cache, k_new, v_new)
+    step = jax.jit(lambda c, k, v: c.append(k, v), donate_argnums=0)
+    assert "triton_kernel_call" in step.lower(cache, k_new, v_new).as_text()
+    got = step(cache, k_new, v_new)
+    for f, x in torch_got.items():
+        w, g = np.asarray(getattr(want, f)), np.asarray(getattr(got, f))
+        if w.dtype == jnp.bfloat16:
+            w, g = w.view(np.uint16), g.view(np.uint16)
+        np.testing.assert_array_equal(g, w, err_msg=f)
+        np.testing.assert_array_equal(x, w, err_msg=f"torch {f}")
+    np.testing.assert_array_equal(got.length, want.length)

@@ -175,24 +175,28 @@ def _describe(x):
 
 
 def _toy_plan(log):
-    """Two launches: the second reads the first's output and an input; typed scalars."""
+    """Two launches: the second reads the first's output and an input, and updates the
+    first's output in place; typed scalars."""
     first = Launch(_Kernel("first", log), (3, 1, 1), ("x", Scalar(7, "i32"), Scalar(0.5, "fp32")),
                    (Buffer("a", (4, 5), "float32"), Buffer("unused", (1,), "uint8", written=False)),
                    (("D", 64), ("FLAG", True)), num_warps=8, num_stages=2)
-    second = Launch(_Kernel("second", log), (1, 2, 3), ("a", "x", Scalar(1, "i32")),
-                    (Buffer("out", (2, 3), "bfloat16"),), (("MODE", "e4m3"),))
+    second = Launch(_Kernel("second", log), (1, 2, 3), ("x", Scalar(1, "i32"), "a"),
+                    (Buffer("out", (2, 3), "bfloat16"), Buffer("a", (4, 5), "float32", updates="a")),
+                    (("MODE", "e4m3"),))
     return Plan((first, second), "out")
 
 
 def test_executors_run_the_plan_as_written(monkeypatch):
-    torch_log, jax_log = [], []
+    torch_log, jax_log, aliases = [], [], []
     toy = _toy_plan(torch_log)
-    out = torch_executor.execute(toy, x=torch.zeros((6,), dtype=torch.float16))
+    env = torch_executor.run(toy.launches, {"x": torch.zeros((6,), dtype=torch.float16)})
+    out = env[toy.result]
     assert out.shape == (2, 3) and out.dtype == torch.bfloat16
 
-    def fake_call(*args, kernel, out_shape, grid, num_warps, num_stages=3, **meta):
+    def fake_call(*args, kernel, out_shape, grid, num_warps, num_stages=3, input_output_aliases=None, **meta):
         jax_log.append((kernel.fn.__name__, tuple(grid), [_describe(a) for a in [*args, *out_shape]], meta,
                         num_warps, num_stages))
+        aliases.append(input_output_aliases)
         return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
 
     monkeypatch.setattr(executor, "import_jax_triton", lambda: types.SimpleNamespace(triton_call=fake_call))
@@ -202,7 +206,18 @@ def test_executors_run_the_plan_as_written(monkeypatch):
     assert jax_log == torch_log
     assert torch_log[0] == ("first", (3, 1, 1), [((6,), "float16"), ("i32", 7), ("fp32", 0.5), ((4, 5), "float32"),
                                                  ((1,), "uint8")], {"D": 64, "FLAG": True}, 8, 2)
-    assert torch_log[1][2][:3] == [((4, 5), "float32"), ((6,), "float16"), ("i32", 1)]
+    assert torch_log[1][2][:3] == [((6,), "float16"), ("i32", 1), ((4, 5), "float32")]
+    # The in-place output: jax-triton aliases array argument 1 ("a") to output 1.
+    assert aliases == [{}, {1: 1}]
+
+
+def test_torch_executor_updates_in_place():
+    """An output that ``updates`` an input is that very tensor, not a new one."""
+    log = []
+    launch = Launch(_Kernel("k", log), (1, 1, 1), ("a",), (Buffer("a", (3,), "float32", updates="a"),), ())
+    a = torch.zeros(3)
+    env = torch_executor.run((launch,), {"a": a})
+    assert env["a"] is a
 
 
 def test_gluon_launches_go_through_gluon_call(monkeypatch):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["E4M3", "FORMATS", "Format", "NVFP4_TOKEN_DIVISOR", "SCALE_RULES", "check_rule"]
+__all__ = ["E4M3", "FORMATS", "Format", "NVFP4_TOKEN_DIVISOR", "SCALE_RULES", "VALUE_SCALE_RULE", "check_rule"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +72,9 @@ FORMATS: dict[str, Format] = {
 # E4M3 elements: MXFP8's default element, NVFP4's block scale, and the FP8 copies that
 # Hopper's tensor cores read.
 E4M3 = FORMATS["mxfp8_e4m3"]
+# A low-bit KV cache's FP8 values: E4M3 with one E8M0 scale per token, chosen so that
+# nothing saturates.
+VALUE_SCALE_RULE = "up"
 # NVFP4's per-token scale maps the token amax onto (E2M1 max) x (E4M3 max).
 NVFP4_TOKEN_DIVISOR = FORMATS["nvfp4"].max_value * E4M3.max_value
 

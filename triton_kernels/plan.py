@@ -7,7 +7,10 @@ the outputs of its launches (``"q.hi_f8"``, ``"k_sums"``, ...). A launch's argum
 are buffer names or typed scalars; its outputs are allocated by the executor and
 appended to the arguments (the order jax-triton uses, which the kernels follow:
 inputs and scalars, then outputs, then constexprs). An output a launch does not
-write is a one-element placeholder that the kernels never touch.
+write is a one-element placeholder that the kernels never touch. An output that
+``updates`` an input is that input's memory, written in place (jax-triton's
+input-output aliases; the same tensor in torch): the kernel gets it twice, as the
+input and as the output, and writes only the output.
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ import numpy as np
 
 from . import attention as attn
 from . import attention_sm90 as attn90
+from . import cache_append as append
 from . import decode as dec
 from . import quantize as quant
 from . import tuning
-from .format_table import FORMATS, check_rule
+from .format_table import E4M3, FORMATS, VALUE_SCALE_RULE, check_rule
 from .geometry import CACHE_FIELDS, TILE, all_high, band_covering_all, check_extent, padded_length, query_blocks
 from .target import Target, resolve_native, uses_sm90_kernel
 
-__all__ = ["Buffer", "Launch", "OPERAND_FIELDS", "Plan", "Scalar", "attention_plan", "channel_mean_plan",
+__all__ = ["Buffer", "Launch", "OPERAND_FIELDS", "Plan", "Scalar", "attention_plan", "cache_append_plan",
+           "channel_mean_plan",
            "decode_plan", "fp8_transpose_plan", "input_attention_plan", "query_fold", "quantize_plan",
            "softmax_fold"]
 
@@ -43,6 +48,7 @@ class Buffer:
     shape: tuple[int, ...]
     dtype: str
     written: bool = True  # False: a one-element placeholder the kernel never touches
+    updates: str | None = None  # an output that is this input's memory, updated in place
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,3 +423,41 @@ def decode_plan(q: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len
                      ("acc", "row_max", "row_sum", _i32(n_q), _i32(hq), _i32(kv_heads), _i32(n_split)),
                      (Buffer("out", q.shape, q.dtype),), _meta(D=d, GROUP=group, BLOCK_M=block_m))
     return Plan((quantize, attend, combine), "out")
+
+
+def cache_append_plan(k: Buffer, v: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len: int,
+                      ring_len: int, v_fp8: bool, high: str, low: str, high_rule: str | None = None,
+                      low_rule: str | None = None, rotate: bool = False, smooth_k: bool = True,
+                      block_t: int = tuning.QUANTIZE_BLOCK_T, num_warps: int = tuning.QUANTIZE_WARPS) -> Plan:
+    """``n`` new tokens per row, ``k``, ``v [B, n, H, D]``, written into a low-bit KV
+    cache at each row's ``length`` in one launch (``k`` and ``v`` named apart from the
+    cache's arrays): the cache's arrays (``cache``, by
+    ``CACHE_FIELDS``) are updated in place and keep their names; ``"k_mean"`` (float32
+    ``[B, H, D]``) is smooth-K's fixed mean. ``sink_len``, ``ring_len``: the cache's
+    high slots (``geometry.cache_slots``). ``length`` itself is not advanced. The
+    result names the first updated array; the executor returns all of them."""
+    b, n, h, d = k.shape
+    capacity = cache["lo_codes"].shape[1]
+    if {k.name, v.name} & {*CACHE_FIELDS, "k_mean"}:
+        raise ValueError(f"the new tokens' buffers need names of their own; got {k.name!r}, {v.name!r}")
+    if not 1 <= n <= TILE:
+        raise ValueError(f"an append takes 1 to {TILE} tokens per row; got {n}")
+    check_extent(capacity, h, d)
+    if rotate and d & (d - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim; got {d}")
+    hi, lo, values = FORMATS[high], FORMATS[low], E4M3
+    high_rule, low_rule = check_rule(hi, high_rule), check_rule(lo, low_rule)
+    fields = CACHE_FIELDS[:-1]  # every array but length
+    launch = Launch(
+        append._cache_append_kernel, (-(-n // block_t), h, b),
+        (k.name, v.name, "k_mean", "length", *fields, _i32(n), _i32(capacity), _i32(cache["hi_codes"].shape[1]),
+         _i32(h), _i32(sink_len), _i32(ring_len)),
+        tuple(dataclasses.replace(cache[f], name=f, updates=f) for f in fields),
+        _meta(D=d, BLOCK_T=block_t, SMOOTH=smooth_k, ROTATE=rotate, HI_E=hi.exp_bits, HI_M=hi.man_bits,
+              HI_EMIN=hi.emin, HI_EMAX=hi.emax, HI_MAX=hi.max_value, HI_BLOCK=hi.block, HI_RULE=high_rule,
+              LO_E=lo.exp_bits, LO_M=lo.man_bits, LO_EMIN=lo.emin, LO_EMAX=lo.emax, LO_MAX=lo.max_value,
+              LO_BLOCK=lo.block, LO_NVFP4=low == "nvfp4", LO_RULE=low_rule, V_FP8=v_fp8, V_E=values.exp_bits,
+              V_M=values.man_bits, V_EMIN=values.emin, V_EMAX=values.emax, V_MAX=values.max_value, V_RULE=VALUE_SCALE_RULE,
+              HW_CVT=not target.interpret),
+        num_warps=num_warps)
+    return Plan((launch,), fields[0])

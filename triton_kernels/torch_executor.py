@@ -16,7 +16,7 @@ from .plan import Buffer, Launch, Plan, Scalar
 from .target import Target, interpreting
 from .tuning import LaunchConfig
 
-__all__ = ["Operand", "attention_plan", "channel_mean", "dma_attention", "dma_decode", "dual_quantize", "fp8_transpose", "input_attention", "run",
+__all__ = ["Operand", "attention_plan", "cache_append", "channel_mean", "dma_attention", "dma_decode", "dual_quantize", "fp8_transpose", "input_attention", "run",
            "target_of"]
 
 
@@ -45,7 +45,8 @@ def run(launches: tuple[Launch, ...] | list[Launch], env: dict[str, torch.Tensor
     env = dict(env)
     device = next(iter(env.values())).device
     for launch in launches:
-        outs = [torch.empty(o.shape, dtype=getattr(torch, o.dtype), device=device) for o in launch.outputs]
+        outs = [env[o.updates] if o.updates else torch.empty(o.shape, dtype=getattr(torch, o.dtype), device=device)
+                for o in launch.outputs]
         args = [_argument(a, env) for a in launch.args]
         launch.kernel[launch.grid](*args, *outs, **launch.meta, num_warps=launch.num_warps,
                                    num_stages=launch.num_stages)
@@ -161,3 +162,17 @@ def dma_decode(q: torch.Tensor, cache: dict[str, torch.Tensor], *, sink_len: int
     plan = plans.decode_plan(buffer("q", q), {f: buffer(f, t) for f, t in cache.items()}, target_of(q.device),
                              sink_len=sink_len, ring_len=ring_len, v_fp8=v_fp8, **options)
     return execute(plan, q=q, **cache)
+
+
+def cache_append(k: torch.Tensor, v: torch.Tensor, k_mean: torch.Tensor, cache: dict[str, torch.Tensor], *,
+                 sink_len: int, ring_len: int, v_fp8: bool, **options: Any) -> dict[str, torch.Tensor]:
+    """New tokens ``k``, ``v [B, n, H, D]`` written into a low-bit KV cache's tensors
+    (``geometry.CACHE_FIELDS``) in place, ``length`` not advanced: ``plan.cache_append_plan``'s
+    launch. Returns the updated tensors (the same objects). ``options``: ``high``,
+    ``low``, ``high_rule``, ``low_rule``, ``rotate``, ``smooth_k``."""
+    k, v, k_mean = _contiguous("k", k), _contiguous("v", v), k_mean.contiguous()
+    cache = {f: _contiguous(f, cache[f]) for f in CACHE_FIELDS}
+    plan = plans.cache_append_plan(buffer("new_k", k), buffer("new_v", v), {f: buffer(f, t) for f, t in cache.items()},
+                                   target_of(k.device), sink_len=sink_len, ring_len=ring_len, v_fp8=v_fp8, **options)
+    out = run(plan.launches, {"new_k": k, "new_v": v, "k_mean": k_mean, **cache})
+    return {f: out[f] for f in CACHE_FIELDS[:-1]}
