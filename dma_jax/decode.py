@@ -14,14 +14,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import dispatch
-from jax.extend.core import Primitive
-from jax.interpreters import ad, mlir
 
 from triton_kernels.geometry import CACHE_FIELDS, TILE, cache_slot
 
 from .config import DMAConfig
 from .formats import Quantized, dequantize, dequantize_token_e4m3
+from .kernel_primitive import kernel_primitive
 from .kv_cache import LowBitKVCache
 from .reference import _dequantized, pair_is_high, scaled_queries
 from .validation import dtype_name
@@ -30,11 +28,7 @@ __all__ = ["check_decode_inputs", "decode_attention", "dma_decode_p"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
-dma_decode_p = Primitive("dma_decode")
-dma_decode_p.def_impl(lambda *args, **params: dispatch.apply_primitive(dma_decode_p, *args, **params))
 
-
-@dma_decode_p.def_abstract_eval
 def _abstract_eval(q, *cache, config, v_fp8, sink_len, ring_len):
     return jax.core.ShapedArray(q.shape, q.dtype)
 
@@ -76,27 +70,9 @@ def decode_reference(q, lo_codes, lo_scales, lo_token, hi_codes, hi_scales, v, v
     return jnp.moveaxis(o, (1, 2), (2, 3)).reshape(b, n, hq, d).astype(q.dtype)
 
 
-def _reference_lowering(q, *cache, **params):
-    return decode_reference(q, *cache, **params)
-
-
-def _triton_lowering(q, *cache, **params):
-    # Imported on first use: Triton and jax-triton load only on GPU machines.
-    from .executor import triton_decode
-
-    return triton_decode(q, *cache, **params)
-
-
-mlir.register_lowering(dma_decode_p, mlir.lower_fun(_reference_lowering, multiple_results=False))
-mlir.register_lowering(dma_decode_p, mlir.lower_fun(_triton_lowering, multiple_results=False), platform="cuda")
-
-
-def _no_gradient(*args, **kwargs):
-    raise NotImplementedError("dma_jax.decode_attention is inference-only: it has no gradient.")
-
-
-ad.primitive_jvps[dma_decode_p] = _no_gradient
-ad.primitive_transposes[dma_decode_p] = _no_gradient
+dma_decode_p = kernel_primitive("dma_decode", decode_reference, "triton_decode", multiple_results=False,
+                                public_name="dma_jax.decode_attention")
+dma_decode_p.def_abstract_eval(_abstract_eval)
 
 
 def decode_attention(q: jax.Array, cache: LowBitKVCache) -> jax.Array:

@@ -27,15 +27,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import dispatch
-from jax.extend.core import Primitive
-from jax.interpreters import ad, mlir
 
 from triton_kernels.format_table import FORMATS
 from triton_kernels.geometry import CACHE_FIELDS, TILE, cache_slot, cache_slots
 
 from .config import DMAConfig
 from .formats import quantize, quantize_token_e4m3
+from .kernel_primitive import kernel_primitive
 from .reference import smoothing_mean
 from .rotation import hadamard
 
@@ -74,12 +72,6 @@ def _encoded(k: jax.Array, v: jax.Array, mean: jax.Array, config: DMAConfig, v_f
     return out
 
 
-dma_cache_append_p = Primitive("dma_cache_append")
-dma_cache_append_p.multiple_results = True
-dma_cache_append_p.def_impl(lambda *args, **params: dispatch.apply_primitive(dma_cache_append_p, *args, **params))
-
-
-@dma_cache_append_p.def_abstract_eval
 def _abstract_eval(k, v, k_mean, *cache, config, v_fp8, sink_len, ring_len):
     return [jax.core.ShapedArray(x.shape, x.dtype) for x in cache[:-1]]
 
@@ -101,23 +93,11 @@ def append_reference(k, v, k_mean, *cache, config: DMAConfig, v_fp8: bool, sink_
     return [arrays[f] for f in CACHE_FIELDS[:-1]]
 
 
-def _triton_lowering(*args, **params):
-    # Imported on first use: Triton and jax-triton load only on GPU machines.
-    from .executor import triton_cache_append
-
-    return triton_cache_append(*args, **params)
+dma_cache_append_p = kernel_primitive("dma_cache_append", append_reference, "triton_cache_append",
+                                      multiple_results=True, public_name="LowBitKVCache.append")
+dma_cache_append_p.def_abstract_eval(_abstract_eval)
 
 
-mlir.register_lowering(dma_cache_append_p, mlir.lower_fun(append_reference, multiple_results=True))
-mlir.register_lowering(dma_cache_append_p, mlir.lower_fun(_triton_lowering, multiple_results=True), platform="cuda")
-
-
-def _no_gradient(*args, **kwargs):
-    raise NotImplementedError("LowBitKVCache.append is inference-only: it has no gradient.")
-
-
-ad.primitive_jvps[dma_cache_append_p] = _no_gradient
-ad.primitive_transposes[dma_cache_append_p] = _no_gradient
 
 
 @dataclasses.dataclass(frozen=True)

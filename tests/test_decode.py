@@ -250,3 +250,13 @@ def test_cache_passes_through_jit_with_its_config_static():
     back = jax.jit(lambda c: c)(cache)
     assert back.config == DMAConfig(diag_tiles=2) and back.v_format == "input"
     assert dataclasses.replace(back, length=back.length + 1).length[0] == 1
+
+
+def test_decode_and_append_have_no_gradient():
+    """Both primitives are inference-only and say so when differentiated."""
+    cache = LowBitKVCache.empty(1, 256, 1, 64, dtype=jnp.float32)
+    q, k = jnp.ones((1, 1, 2, 64)), jnp.ones((1, 1, 1, 64))
+    with pytest.raises(NotImplementedError, match="decode_attention is inference-only"):
+        jax.grad(lambda q: decode_attention(q, cache.append(k, k)).sum())(q)
+    with pytest.raises(NotImplementedError, match="LowBitKVCache.append is inference-only"):
+        jax.grad(lambda k: cache.append(k, k).v.sum())(k)
