@@ -1,7 +1,8 @@
 """Where a decode step of the model goes: for each attention choice, the jitted step's
 time and the operations XLA runs in it.
 
-For SmolLM2-135M (the embedded GGUF, or ``--checkpoint``) at one prompt length and
+For SmolLM2-135M (the embedded GGUF, ``--checkpoint``, or ``--random-weights``: its
+shape with random weights, which times the same, for a machine without the checkpoint) at one prompt length and
 batch size: prefill once, then time the model's decode step (greedy, jitted over the
 split model, the cache donated on a GPU) as back-to-back calls, and count the
 top-level operations of the step's optimized HLO by kind: fusions, custom calls
@@ -10,7 +11,7 @@ so the counts show whether a step is bound by its kernels or by launching them.
 Prints a table and writes ``results/decode_step_<gpu>.json``.
 
     python benchmarks/decode_step.py [--prompt 2048] [--batch 1] [--steps 64]
-        [--attention cudnn,dma,dma+dma,dma+dma-fp8v] [--checkpoint PATH]
+        [--attention cudnn,dma,dma+dma,dma+dma-fp8v] [--checkpoint PATH | --random-weights]
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ from flax import nnx
 
 from device_name import gpu_tag
 from generation import SPECS  # the attention choices, named as in the generation benchmark
-from models.llama import AttentionSpec, load_checkpoint, new_cache
+from models.llama import AttentionSpec, Llama, LlamaConfig, load_checkpoint, new_cache
 
+# SmolLM2-135M-Instruct's shape (as its GGUF describes it), for --random-weights.
+SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                           num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                           tie_word_embeddings=True, max_position_embeddings=8192)
 # HLO instructions that launch nothing.
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id"}
 _OPCODE = re.compile(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9-]*)\(")
@@ -85,7 +90,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--attention", default="cudnn,dma,dma+dma,dma+dma-fp8v")
-    p.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: the embedded SmolLM2-135M)")
+    weights = p.add_mutually_exclusive_group()
+    weights.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: the embedded SmolLM2-135M)")
+    weights.add_argument("--random-weights", action="store_true", help="SmolLM2-135M's shape with random weights")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args()
     names = args.attention.split(",")
@@ -93,11 +100,14 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown --attention {unknown}; choose from {sorted(SPECS)}")
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    model, _ = load_checkpoint(args.checkpoint, dtype=dtype)
+    if args.random_weights:
+        model = Llama(SMOLLM2_135M, dtype=dtype)
+    else:
+        model, _ = load_checkpoint(args.checkpoint, dtype=dtype)
     rows = {name: measure(model, SPECS[name], args.prompt, args.batch, args.steps) for name in names}
     device = jax.devices()[0].device_kind
     print(f"{device}, prompt {args.prompt}, batch {args.batch}, {model.config.num_layers} layers, "
-          f"{args.steps} steps back to back")
+          f"{args.steps} steps back to back{', random weights' if args.random_weights else ''}")
     print("| attention | ms per step | ms per layer | operations per step | per layer | main kinds |")
     print("|---|---:|---:|---:|---:|---|")
     for name, r in rows.items():
@@ -109,7 +119,8 @@ def main() -> None:
     path = os.path.join(args.out, f"decode_step_{tag}.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "device": device, "jax": jax.__version__,
-                   "prompt": args.prompt, "batch": args.batch, "steps": args.steps, "rows": rows}, fh, indent=2)
+                   "prompt": args.prompt, "batch": args.batch, "steps": args.steps,
+                   "random_weights": args.random_weights, "rows": rows}, fh, indent=2)
     print(f"wrote {path}")
 
 

@@ -2,6 +2,7 @@
 nothing else in the suite loads them: a broken import line would otherwise wait for
 the next run on a GPU. Also: the scripts that check what they can on the CPU."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -121,6 +122,24 @@ def test_decode_step_counts_launching_operations():
                           env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout) == {"fusion": 1, "custom-call": 1, "scatter": 1}
+
+
+def test_decode_step_random_model_has_smollm2_shape():
+    """decode_step.py's --random-weights model has the embedded checkpoint's shape."""
+    import gguf
+
+    from models.llama import loaders
+
+    path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
+    done = subprocess.run([sys.executable, "-c", "import dataclasses, decode_step, json; "
+                           "print(json.dumps(dataclasses.asdict(decode_step.SMOLLM2_135M)))"],
+                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout)
+    want = json.loads(json.dumps(dataclasses.asdict(loaders._gguf_config(gguf.GGUFReader(
+        loaders.embedded_model_path())))))
+    assert got.pop("rms_norm_eps") == pytest.approx(want.pop("rms_norm_eps"), rel=1e-6)  # a float32 there
+    assert got == want
 
 
 @pytest.mark.slow
