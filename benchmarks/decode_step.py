@@ -91,7 +91,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--attention", default="cudnn,dma,dma+dma,dma+dma-fp8v")
     weights = p.add_mutually_exclusive_group()
-    weights.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: the embedded SmolLM2-135M)")
+    weights.add_argument("--checkpoint", default=None,
+                         help="HF directory or .gguf (default: the embedded SmolLM2-135M)")
     weights.add_argument("--random-weights", action="store_true", help="SmolLM2-135M's shape with random weights")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args()

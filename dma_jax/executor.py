@@ -1,7 +1,7 @@
 """Runs launch plans (``triton_kernels.plan``) inside JAX programs: the CUDA lowerings of
-``dma_attention``, ``dma_decode`` and ``dma_cache_append``. Triton kernels go through jax-triton's ``triton_call``, the Gluon
-kernel through ``gluon_call``. jax-triton has no dtype for float8/E8M0/FP4, so codes
-and scales travel as uint8.
+``dma_attention``, ``dma_decode`` and ``dma_cache_append``. Triton kernels go through
+jax-triton's ``triton_call``, the Gluon kernel through ``gluon_call``. jax-triton has no
+dtype for float8/E8M0/FP4, so codes and scales travel as uint8.
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def cache_append_plan(k, v, *cache, config: DMAConfig, v_fp8: bool, sink_len: in
     """The launch of ``dma_cache_append`` for new tokens ``k``, ``v`` and the cache's
     arrays (``geometry.CACHE_FIELDS`` order) on JAX's GPU (or ``target``)."""
     buffers = {f: buffer(f, x) for f, x in zip(CACHE_FIELDS, cache)}
-    return plans.cache_append_plan(buffer("new_k", k), buffer("new_v", v), buffers, target or gpu_target(), sink_len=sink_len,
-                                   ring_len=ring_len, v_fp8=v_fp8, **config.append_options())
+    return plans.cache_append_plan(buffer("new_k", k), buffer("new_v", v), buffers, target or gpu_target(),
+                                   sink_len=sink_len, ring_len=ring_len, v_fp8=v_fp8, **config.append_options())
 
 
 def triton_cache_append(k, v, k_mean, *cache, config: DMAConfig, v_fp8: bool, sink_len: int, ring_len: int):

@@ -98,8 +98,6 @@ dma_cache_append_p = kernel_primitive("dma_cache_append", append_reference, "tri
 dma_cache_append_p.def_abstract_eval(_abstract_eval)
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class LowBitKVCache:
     """One attention layer's keys and values in DMA's formats (a pytree: pass it

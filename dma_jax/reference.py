@@ -9,13 +9,12 @@ and V are never repeated per query head.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from triton_kernels import geometry
+from triton_kernels.query_scale import query_fold, softmax_fold
 
 from .config import DMAConfig
 from .formats import FORMATS, dequantize, fp8_per_channel, fp8_per_tile, fp8_per_token, quantize, round_to_element
@@ -167,11 +166,11 @@ def scaled_queries(q: jax.Array, config: DMAConfig) -> jax.Array:
     the softmax scale and log2(e) (the softmax runs in base 2) and, with the rotation,
     1/head_dim: (q·H)(k·H)ᵀ = D · q·kᵀ, an exact power of two."""
     dim = q.shape[-1]
-    fold = np.float32(config.softmax_scale(dim) * math.log2(math.e))
+    rotate = config.rotate == "hadamard"
     q32 = q.astype(jnp.float32)
-    if config.rotate == "hadamard":
-        q32, fold = hadamard(q32), fold / np.float32(dim)
-    return q32 * fold
+    if rotate:
+        q32 = hadamard(q32)
+    return q32 * np.float32(query_fold(config.softmax_scale(dim), dim, rotate))
 
 
 def dma_reference(
@@ -302,7 +301,7 @@ def exact_attention(
         return jnp.zeros(q.shape, jnp.float32)
     offset = resolve_q_offset(q.shape[1], k.shape[1], q_offset)
     scale = sm_scale if sm_scale is not None else q.shape[3] ** -0.5
-    q32 = q.astype(jnp.float32) * np.float32(scale * math.log2(math.e))
+    q32 = q.astype(jnp.float32) * np.float32(softmax_fold(scale))
     return _attend(
         q32, None, k.astype(jnp.float32), None, v.astype(jnp.float32),
         causal=causal, q_offset=offset, high_fn=None, p_dtype=jnp.float32,

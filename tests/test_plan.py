@@ -6,6 +6,7 @@ written. Checked on CPU, for the launch settings of an sm_90 and an sm_100 GPU;
 executor in Triton's interpreter.
 """
 
+import dataclasses
 import types
 
 import jax.numpy as jnp
@@ -238,3 +239,26 @@ def test_gluon_launches_go_through_gluon_call(monkeypatch):
                     num_warps=4, gluon=True)
     executor.run((launch,), {"x": jnp.zeros((2,), jnp.float32)})
     assert calls == [("g", (2, 1, 1), 4, {"S": 3})]
+
+
+def test_cache_append_plan_updates_the_cache_in_place():
+    """The append launch's outputs are the cache's arrays but ``length``, each updating
+    the input of its own name; new tokens whose names collide with the cache's, or too
+    many of them, are refused."""
+    from triton_kernels.geometry import CACHE_FIELDS
+
+    cache = {f: Buffer(f, (2, 512, 3, 32), "uint8") for f in CACHE_FIELDS}
+    k = Buffer("new_k", (2, 5, 3, 64), "bfloat16")
+    plan = plans.cache_append_plan(k, dataclasses.replace(k, name="new_v"), cache, Target((9, 0)), sink_len=128,
+                                   ring_len=256, v_fp8=False, high="mxfp8_e4m3", low="nvfp4")
+    (launch,) = plan.launches
+    assert [(o.name, o.updates) for o in launch.outputs] == [(f, f) for f in CACHE_FIELDS[:-1]]
+    assert set(launch.args) >= {"new_k", "new_v", "k_mean", *CACHE_FIELDS}
+    assert launch.grid == (1, 3, 2)
+    with pytest.raises(ValueError, match="names of their own"):
+        plans.cache_append_plan(dataclasses.replace(k, name="v"), k, cache, Target((9, 0)), sink_len=128,
+                                ring_len=256, v_fp8=False, high="mxfp8_e4m3", low="nvfp4")
+    many = dataclasses.replace(k, shape=(2, 129, 3, 64))
+    with pytest.raises(ValueError, match="1 to 128 tokens"):
+        plans.cache_append_plan(many, dataclasses.replace(many, name="new_v"), cache, Target((9, 0)), sink_len=128,
+                                ring_len=256, v_fp8=False, high="mxfp8_e4m3", low="nvfp4")

@@ -16,7 +16,6 @@ input and as the output, and writes only the output.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
@@ -29,12 +28,11 @@ from . import quantize as quant
 from . import tuning
 from .format_table import E4M3, FORMATS, VALUE_SCALE_RULE, check_rule
 from .geometry import CACHE_FIELDS, TILE, all_high, band_covering_all, check_extent, padded_length, query_blocks
+from .query_scale import query_fold, softmax_fold
 from .target import Target, resolve_native, uses_sm90_kernel
 
 __all__ = ["Buffer", "Launch", "OPERAND_FIELDS", "Plan", "Scalar", "attention_plan", "cache_append_plan",
-           "channel_mean_plan",
-           "decode_plan", "fp8_transpose_plan", "input_attention_plan", "query_fold", "quantize_plan",
-           "softmax_fold"]
+           "channel_mean_plan", "decode_plan", "fp8_transpose_plan", "input_attention_plan", "quantize_plan"]
 
 # The nine outputs of a dual quantization, as the attention kernels take them per operand.
 OPERAND_FIELDS = ("hi_codes", "hi_scales", "lo_codes", "lo_scales", "lo_token_scale", "hi_f8", "hi_ts", "lo_f8", "lo_ts")
@@ -99,17 +97,6 @@ class Plan:
 
 def _meta(**constexprs: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(constexprs.items())
-
-
-def softmax_fold(sm_scale: float) -> float:
-    """The float32 factor ``sm_scale · log2(e)`` folded into Q (softmax in base 2)."""
-    return float(np.float32(sm_scale * math.log2(math.e)))
-
-
-def query_fold(sm_scale: float, head_dim: int, rotate: bool) -> float:
-    """The factor Q's quantize launch folds in: ``softmax_fold``, and with the rotation
-    1/head_dim ((q·H)(k·H)ᵀ = D · q·kᵀ, an exact power of two)."""
-    return softmax_fold(sm_scale) / (head_dim if rotate else 1)
 
 
 def ftz_multiplier(f: float) -> bool:
@@ -429,13 +416,13 @@ def cache_append_plan(k: Buffer, v: Buffer, cache: dict[str, Buffer], target: Ta
                       ring_len: int, v_fp8: bool, high: str, low: str, high_rule: str | None = None,
                       low_rule: str | None = None, rotate: bool = False, smooth_k: bool = True,
                       block_t: int = tuning.QUANTIZE_BLOCK_T, num_warps: int = tuning.QUANTIZE_WARPS) -> Plan:
-    """``n`` new tokens per row, ``k``, ``v [B, n, H, D]``, written into a low-bit KV
-    cache at each row's ``length`` in one launch (``k`` and ``v`` named apart from the
-    cache's arrays): the cache's arrays (``cache``, by
-    ``CACHE_FIELDS``) are updated in place and keep their names; ``"k_mean"`` (float32
-    ``[B, H, D]``) is smooth-K's fixed mean. ``sink_len``, ``ring_len``: the cache's
-    high slots (``geometry.cache_slots``). ``length`` itself is not advanced. The
-    result names the first updated array; the executor returns all of them."""
+    """``n`` new tokens per row, ``k``, ``v [B, n, H, D]`` (named apart from the cache's
+    arrays), written into a low-bit KV cache at each row's ``length`` in one launch.
+    The cache's arrays (``cache``, by ``CACHE_FIELDS``) are updated in place and keep
+    their names; ``"k_mean"`` (float32 ``[B, H, D]``) is smooth-K's fixed mean.
+    ``sink_len``, ``ring_len``: the cache's high slots (``geometry.cache_slots``).
+    ``length`` itself is not advanced. The result names the first updated array; the
+    executor's environment holds all of them."""
     b, n, h, d = k.shape
     capacity = cache["lo_codes"].shape[1]
     if {k.name, v.name} & {*CACHE_FIELDS, "k_mean"}:
@@ -445,7 +432,7 @@ def cache_append_plan(k: Buffer, v: Buffer, cache: dict[str, Buffer], target: Ta
     check_extent(capacity, h, d)
     if rotate and d & (d - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim; got {d}")
-    hi, lo, values = FORMATS[high], FORMATS[low], E4M3
+    hi, lo, values = FORMATS[high], FORMATS[low], E4M3  # V's FP8 elements, one block per token
     high_rule, low_rule = check_rule(hi, high_rule), check_rule(lo, low_rule)
     fields = CACHE_FIELDS[:-1]  # every array but length
     launch = Launch(
@@ -457,7 +444,7 @@ def cache_append_plan(k: Buffer, v: Buffer, cache: dict[str, Buffer], target: Ta
               HI_EMIN=hi.emin, HI_EMAX=hi.emax, HI_MAX=hi.max_value, HI_BLOCK=hi.block, HI_RULE=high_rule,
               LO_E=lo.exp_bits, LO_M=lo.man_bits, LO_EMIN=lo.emin, LO_EMAX=lo.emax, LO_MAX=lo.max_value,
               LO_BLOCK=lo.block, LO_NVFP4=low == "nvfp4", LO_RULE=low_rule, V_FP8=v_fp8, V_E=values.exp_bits,
-              V_M=values.man_bits, V_EMIN=values.emin, V_EMAX=values.emax, V_MAX=values.max_value, V_RULE=VALUE_SCALE_RULE,
-              HW_CVT=not target.interpret),
+              V_M=values.man_bits, V_EMIN=values.emin, V_EMAX=values.emax, V_MAX=values.max_value,
+              V_RULE=VALUE_SCALE_RULE, HW_CVT=not target.interpret),
         num_warps=num_warps)
     return Plan((launch,), fields[0])

@@ -16,8 +16,8 @@ from .plan import Buffer, Launch, Plan, Scalar
 from .target import Target, interpreting
 from .tuning import LaunchConfig
 
-__all__ = ["Operand", "attention_plan", "cache_append", "channel_mean", "dma_attention", "dma_decode", "dual_quantize", "fp8_transpose", "input_attention", "run",
-           "target_of"]
+__all__ = ["Operand", "attention_plan", "cache_append", "channel_mean", "dma_attention", "dma_decode", "dual_quantize",
+           "fp8_transpose", "input_attention", "run", "target_of"]
 
 
 def target_of(device: torch.device) -> Target:
