@@ -2,9 +2,10 @@
 time and the operations XLA runs in it.
 
 For SmolLM2-135M (the embedded GGUF, ``--checkpoint``, or ``--random-weights``: its
-shape with random weights, which times the same, for a machine without the checkpoint) at one prompt length and
-batch size: prefill once, then time the model's decode step (greedy, jitted over the
-split model, the cache donated on a GPU) as back-to-back calls, and count the
+shape with random weights, which times the same, for a machine without the checkpoint)
+at one prompt length and batch size: prefill once, then time the generation loop's
+decode step (``models.decoding.jitted_steps``: greedy, jitted over the split model,
+the cache donated on a GPU) as back-to-back calls, and count the
 top-level operations of the step's optimized HLO by kind: fusions, custom calls
 (Triton kernels, cuDNN), scatters and the rest. Each is at least one kernel launch,
 so the counts show whether a step is bound by its kernels or by launching them.
@@ -34,7 +35,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from device_name import gpu_tag
-from generation import SPECS  # the attention choices, named as in the generation benchmark
+from generation import SPECS, attention_names  # the attention choices, named as there
+from models.decoding import Sampling, jitted_steps
 from models.llama import AttentionSpec, Llama, LlamaConfig, load_checkpoint, new_cache
 
 # SmolLM2-135M-Instruct's shape (as its GGUF describes it), for --random-weights.
@@ -56,26 +58,19 @@ def entry_ops(hlo: str) -> collections.Counter:
 
 
 def measure(model, spec: AttentionSpec, prompt: int, batch: int, steps: int) -> dict:
+    """The generation loop's own greedy steps (``models.decoding.jitted_steps``)."""
     graphdef, state = nnx.split(model)
-
-    def prefill(state, tokens, cache):
-        logits, cache = nnx.merge(graphdef, state).prefill(tokens, cache, spec, last_only=True)
-        return jnp.argmax(logits, -1).astype(jnp.int32)[:, None], cache
-
-    def step(state, token, cache):
-        logits, cache = nnx.merge(graphdef, state).decode(token, cache, spec)
-        return jnp.argmax(logits[:, -1], -1).astype(jnp.int32)[:, None], cache
-
-    donate = (2,) if jax.default_backend() != "cpu" else ()
+    prefill, decode = jitted_steps(graphdef, spec, Sampling())
     tokens = jax.random.randint(jax.random.key(prompt), (batch, prompt), 100, model.config.vocab_size)
+    lengths = jnp.full((batch,), prompt, jnp.int32)
     cache = new_cache(model.config, spec, batch, prompt + steps + 1, model.dtype)
-    token, cache = jax.jit(prefill, donate_argnums=donate)(state, tokens, cache)
-    compiled = jax.jit(step, donate_argnums=donate).lower(state, token, cache).compile()
-    token, cache = compiled(state, token, cache)  # warm-up
+    token, cache, key = prefill(state, tokens, lengths, cache, jax.random.key(0))
+    compiled = decode.lower(state, token, cache, key).compile()
+    token, cache, key = compiled(state, token, cache, key)  # warm-up
     jax.block_until_ready(token)
     start = time.perf_counter()
     for _ in range(steps - 1):
-        token, cache = compiled(state, token, cache)
+        token, cache, key = compiled(state, token, cache, key)
     jax.block_until_ready(token)
     ms = 1e3 * (time.perf_counter() - start) / (steps - 1)
     ops = entry_ops(compiled.as_text())
@@ -96,10 +91,7 @@ def main() -> None:
     weights.add_argument("--random-weights", action="store_true", help="SmolLM2-135M's shape with random weights")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args()
-    names = args.attention.split(",")
-    unknown = sorted(set(names) - set(SPECS))
-    if unknown:
-        raise SystemExit(f"unknown --attention {unknown}; choose from {sorted(SPECS)}")
+    names = attention_names(p, args.attention)
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     if args.random_weights:
         model = Llama(SMOLLM2_135M, dtype=dtype)

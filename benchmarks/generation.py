@@ -48,6 +48,16 @@ SPECS = {
 }
 
 
+def attention_names(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The comma-separated names of ``--attention``, each a key of ``SPECS`` (else the
+    parser's error)."""
+    names = text.split(",")
+    unknown = sorted(set(names) - set(SPECS))
+    if unknown:
+        parser.error(f"unknown attention {unknown}; expected some of {list(SPECS)}")
+    return names
+
+
 def prompts(vocab: int, length: int, batch: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed + length)
     return [rng.integers(100, vocab, length).tolist() for _ in range(batch)]
@@ -110,10 +120,7 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="skip transformers (e.g. without a CUDA torch)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args()
-    names = args.attention.split(",")
-    unknown = sorted(set(names) - set(SPECS))
-    if unknown:
-        p.error(f"unknown attention {unknown}; expected some of {list(SPECS)}")
+    names = attention_names(p, args.attention)
     if args.new_tokens < 2:
         p.error(f"--new-tokens must be >= 2 (one prefill token and a decode step); got {args.new_tokens}")
     checkpoint = args.checkpoint or embedded_model_path()

@@ -22,7 +22,7 @@ from flax import nnx
 
 from .llama import AttentionSpec, Llama, new_cache
 
-__all__ = ["Sampling", "Timings", "generate", "generate_batch", "sample"]
+__all__ = ["Sampling", "Timings", "generate", "generate_batch", "jitted_steps", "sample"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +91,11 @@ def _decode_step(graphdef, spec: AttentionSpec, sampling: Sampling, state, token
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(graphdef, spec: AttentionSpec, sampling: Sampling):
+def jitted_steps(graphdef, spec: AttentionSpec, sampling: Sampling):
     """(prefill, decode) as ``jax.jit`` functions of (state, ...), the cache donated
-    where the backend can reuse it (not on CPU, where JAX would warn)."""
+    where the backend can reuse it (not on CPU, where JAX would warn):
+    ``prefill(state, tokens [B, T], lengths [B], cache, key)`` and
+    ``decode(state, token [B], cache, key)``, each returning (next tokens [B], cache, key)."""
     donate = jax.default_backend() != "cpu"
     prefill = jax.jit(functools.partial(_prefill_step, graphdef, spec, sampling),
                       donate_argnums=(3,) if donate else ())
@@ -106,7 +108,7 @@ _COMPILED: dict[Any, Any] = {}
 
 
 def _compiled(fn, args, timings: Timings):
-    """``fn`` (one of ``_jitted``'s, so one per model graph, spec and sampling) compiled
+    """``fn`` (one of ``jitted_steps``', so one per model graph, spec and sampling) compiled
     for the shapes of ``args``, once per process; the time of a new compilation goes to
     ``timings.compile_s``."""
     shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
@@ -148,7 +150,7 @@ def generate_batch(
     timings.compile_s = timings.prefill_s = timings.decode_s = 0.0
 
     graphdef, state = nnx.split(model)
-    prefill, decode = _jitted(graphdef, spec, sampling)
+    prefill, decode = jitted_steps(graphdef, spec, sampling)
     cache = new_cache(model.config, spec, len(prompts), cache_len or needed, model.dtype)
     key = jax.random.PRNGKey(sampling.seed)
     args = (state, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
