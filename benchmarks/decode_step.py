@@ -9,10 +9,14 @@ the cache donated on a GPU) as back-to-back calls, and count the
 top-level operations of the step's optimized HLO by kind: fusions, custom calls
 (Triton kernels, cuDNN), scatters and the rest. Each is at least one kernel launch,
 so the counts show whether a step is bound by its kernels or by launching them.
-Prints a table and writes ``results/decode_step_<gpu>.json``.
+With ``--profile`` (GPUs) the same steps also run under JAX's profiler: the kernels
+the GPU ran per step, the time it was busy running them (against the step's time, how
+far the step is bound by launching rather than running kernels) and the kernels that
+took longest. Prints a table and writes ``results/decode_step_<gpu>.json``.
 
     python benchmarks/decode_step.py [--prompt 2048] [--batch 1] [--steps 64]
         [--attention cudnn,dma,dma+dma,dma+dma-fp8v] [--checkpoint PATH | --random-weights]
+        [--profile]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import os
 import pathlib
 import re
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -57,13 +62,51 @@ def entry_ops(hlo: str) -> collections.Counter:
     return collections.Counter(m.group(1) for m in found if m and m.group(1) not in _FREE)
 
 
-def measure(model, spec: AttentionSpec, prompt: int, batch: int, steps: int) -> dict:
+def busy_ns(spans: list[tuple[int, int]]) -> int:
+    """Length of the union of ``(start, end)`` intervals: the time a GPU ran any kernel."""
+    total = 0
+    start = end = None
+    for s, e in sorted(spans):
+        if end is not None and s <= end:  # overlaps the current run: extend it
+            end = max(end, e)
+            continue
+        if end is not None:
+            total += end - start
+        start, end = s, e
+    return total if end is None else total + end - start
+
+
+def gpu_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
+    """(name, start ns, end ns) of every kernel on a GPU stream in a profiler trace."""
+    found = []
+    for path in pathlib.Path(trace_dir).rglob("*.xplane.pb"):
+        for plane in jax.profiler.ProfileData.from_file(str(path)).planes:
+            if plane.name.startswith("/device:GPU"):
+                found += [(ev.name, ev.start_ns, ev.end_ns) for line in plane.lines if line.name.startswith("Stream")
+                          for ev in line.events]
+    return found
+
+
+def kernel_report(kernels: list[tuple[str, int, int]], steps: int, top: int = 6) -> dict:
+    """Per step: kernels run, GPU busy time, and the ``top`` kernels by total time."""
+    by_name: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for name, s, e in kernels:
+        by_name[name] += e - s
+        count[name] += 1
+    return {"kernels_per_step": len(kernels) / steps,
+            "busy_ms": busy_ns([(s, e) for _, s, e in kernels]) / steps / 1e6,
+            "top": [{"kernel": n, "us_per_step": t / steps / 1e3, "per_step": count[n] / steps}
+                    for n, t in by_name.most_common(top)]}
+
+
+def measure(model, spec: AttentionSpec, prompt: int, batch: int, steps: int, profile: bool = False) -> dict:
     """The generation loop's own greedy steps (``models.decoding.jitted_steps``)."""
     graphdef, state = nnx.split(model)
     prefill, decode = jitted_steps(graphdef, spec, Sampling())
     tokens = jax.random.randint(jax.random.key(prompt), (batch, prompt), 100, model.config.vocab_size)
     lengths = jnp.full((batch,), prompt, jnp.int32)
-    cache = new_cache(model.config, spec, batch, prompt + steps + 1, model.dtype)
+    cache = new_cache(model.config, spec, batch, prompt + (2 if profile else 1) * steps + 1, model.dtype)
     token, cache, key = prefill(state, tokens, lengths, cache, jax.random.key(0))
     compiled = decode.lower(state, token, cache, key).compile()
     token, cache, key = compiled(state, token, cache, key)  # warm-up
@@ -75,8 +118,17 @@ def measure(model, spec: AttentionSpec, prompt: int, batch: int, steps: int) -> 
     ms = 1e3 * (time.perf_counter() - start) / (steps - 1)
     ops = entry_ops(compiled.as_text())
     layers = model.config.num_layers
-    return {"step_ms": ms, "ms_per_layer": ms / layers, "ops": sum(ops.values()),
-            "ops_per_layer": sum(ops.values()) / layers, "by_kind": dict(ops.most_common())}
+    row = {"step_ms": ms, "ms_per_layer": ms / layers, "ops": sum(ops.values()),
+           "ops_per_layer": sum(ops.values()) / layers, "by_kind": dict(ops.most_common())}
+    if profile:
+        with tempfile.TemporaryDirectory() as trace:
+            with jax.profiler.trace(trace):
+                for _ in range(steps):
+                    token, cache, key = compiled(state, token, cache, key)
+                jax.block_until_ready(token)
+            kernels = gpu_kernels(trace)
+        row["profile"] = kernel_report(kernels, steps) if kernels else None
+    return row
 
 
 def main() -> None:
@@ -89,6 +141,8 @@ def main() -> None:
     weights.add_argument("--checkpoint", default=None,
                          help="HF directory or .gguf (default: the embedded SmolLM2-135M)")
     weights.add_argument("--random-weights", action="store_true", help="SmolLM2-135M's shape with random weights")
+    p.add_argument("--profile", action="store_true",
+                   help="also trace the steps: kernels per step, GPU busy time, longest kernels (GPUs)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args()
     names = attention_names(p, args.attention)
@@ -97,7 +151,7 @@ def main() -> None:
         model = Llama(SMOLLM2_135M, dtype=dtype)
     else:
         model, _ = load_checkpoint(args.checkpoint, dtype=dtype)
-    rows = {name: measure(model, SPECS[name], args.prompt, args.batch, args.steps) for name in names}
+    rows = {name: measure(model, SPECS[name], args.prompt, args.batch, args.steps, args.profile) for name in names}
     device = jax.devices()[0].device_kind
     print(f"{device}, prompt {args.prompt}, batch {args.batch}, {model.config.num_layers} layers, "
           f"{args.steps} steps back to back{', random weights' if args.random_weights else ''}")
@@ -107,6 +161,18 @@ def main() -> None:
         kinds = ", ".join(f"{k} {n}" for k, n in list(r["by_kind"].items())[:4])
         print(f"| {name} | {r['step_ms']:.2f} | {r['ms_per_layer']:.3f} | {r['ops']} | {r['ops_per_layer']:.1f} "
               f"| {kinds} |")
+    if args.profile:
+        print("\n| attention | kernels per step | GPU busy ms per step | busy / step time "
+              "| longest kernels (us per step) |")
+        print("|---|---:|---:|---:|---|")
+        for name, r in rows.items():
+            prof = r["profile"]
+            if prof is None:
+                print(f"| {name} | no GPU kernels in the trace | | | |")
+                continue
+            top = ", ".join(f"{t['kernel'][:40]} {t['us_per_step']:.0f}" for t in prof["top"][:4])
+            print(f"| {name} | {prof['kernels_per_step']:.0f} | {prof['busy_ms']:.2f} | "
+                  f"{prof['busy_ms'] / r['step_ms']:.2f} | {top} |")
     os.makedirs(args.out, exist_ok=True)
     tag = gpu_tag(device) if jax.default_backend() == "gpu" else "cpu"
     path = os.path.join(args.out, f"decode_step_{tag}.json")

@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -124,6 +125,31 @@ def test_decode_step_counts_launching_operations():
     assert json.loads(done.stdout) == {"fusion": 1, "custom-call": 1, "scatter": 1}
 
 
+def test_decode_step_kernel_report_counts_busy_time_once():
+    """decode_step.py --profile: the GPU's busy time is the union of its kernels'
+    intervals (overlaps counted once), against a brute-force count over integer time
+    steps; per-kernel totals and counts per step."""
+    path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, 500, 60)
+    kernels = [(f"k{i % 3}", int(s), int(s + rng.integers(1, 40))) for i, s in enumerate(starts)]
+    covered = np.zeros(600, bool)
+    for _, s, e in kernels:
+        covered[s:e] = True
+    done = subprocess.run([sys.executable, "-c", "import decode_step, json, sys; "
+                           "print(json.dumps(decode_step.kernel_report(json.loads(sys.argv[1]), 2, top=3)))",
+                           json.dumps(kernels)], env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["busy_ms"] == pytest.approx(covered.sum() / 2 / 1e6)
+    assert report["kernels_per_step"] == 30
+    for row in report["top"]:
+        mine = [(s, e) for n, s, e in kernels if n == row["kernel"]]
+        assert row["us_per_step"] == pytest.approx(sum(e - s for s, e in mine) / 2 / 1e3)
+        assert row["per_step"] == len(mine) / 2
+    assert [r["us_per_step"] for r in report["top"]] == sorted((r["us_per_step"] for r in report["top"]), reverse=True)
+
+
 def test_decode_step_random_model_has_smollm2_shape():
     """decode_step.py's --random-weights model has the embedded checkpoint's shape."""
     import gguf
@@ -148,11 +174,12 @@ def test_decode_step_runs_on_cpu(tmp_path):
     choice whose counts add up; the low-bit cache's step runs more operations."""
     path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_step.py"), "--prompt", "16",
-                           "--steps", "3", "--attention", "exact,dma+dma", "--out", str(tmp_path)],
+                           "--steps", "3", "--attention", "exact,dma+dma", "--profile", "--out", str(tmp_path)],
                           env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "decode_step_cpu.json").read_text())["rows"]
     assert set(rows) == {"exact", "dma+dma"}
     for row in rows.values():
         assert row["step_ms"] > 0 and row["ops"] == sum(row["by_kind"].values()) > 0
+        assert row["profile"] is None  # the CPU's trace has no GPU streams
     assert rows["dma+dma"]["ops"] > rows["exact"]["ops"]
