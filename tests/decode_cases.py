@@ -63,12 +63,17 @@ def sequences(seed, batch, total, q_heads, kv_heads, head_dim, dtype, steps=1, n
     return q.astype(dtype), k.astype(dtype), v.astype(dtype)
 
 
-def build(case, seed=0):
+def build(case, seed=0, value_octaves=0):
     """(q, cache after the prompt and one appended step, k, v): row b's prompt is its
-    first ``lengths[b]`` positions, its step the next ``new``."""
+    first ``lengths[b]`` positions, its step the next ``new``. ``value_octaves``: each
+    token's values times 2^j, j uniform in [-value_octaves, value_octaves]."""
     batch, lengths, new, hq, hkv, d, capacity, config, v_format, dtype = case
     total = max(lengths) + new
     q, k, v = sequences(seed, batch, total, hq, hkv, d, dtype, new=new)
+    if value_octaves:
+        j = jax.random.randint(jax.random.PRNGKey(seed + 1), (batch, total, hkv, 1), -value_octaves,
+                               value_octaves + 1)
+        v = (v.astype(jnp.float32) * jnp.exp2(j.astype(jnp.float32))).astype(dtype)
     cache = LowBitKVCache.empty(batch, capacity, hkv, d, dtype=dtype, config=config, v_format=v_format)
     cache = cache.write(k[:, :max(lengths)], v[:, :max(lengths)], jnp.asarray(lengths))
     idx = jnp.asarray(lengths)[:, None] + jnp.arange(new)[None, :]

@@ -56,6 +56,18 @@ def test_decode_kernel_equals_full_sequence_reference(case):
     assert decode_cases.rel_l2(out, ref) <= 5e-3
 
 
+def test_fp8_values_whose_scales_span_a_wide_range():
+    """FP8 values whose per-token scales span 2^-60..2^60 within one block of keys (bf16
+    inputs): each scale multiplies P's column exactly, and the kernel still matches the
+    oracle, with nothing overflowing or flushed."""
+    case = decode_cases.CASES[CASE_IDS.index("mxfp4-fp8v")]
+    q, cache, k, v = decode_cases.build(case, value_octaves=60)
+    out = decode_cases.kernel_decode(q, cache)
+    ref = decode_cases.oracle_rows(q, cache, k, v, np.asarray(cache.length))
+    assert np.isfinite(out).all()
+    assert decode_cases.rel_l2(out, ref) <= 5e-3
+
+
 def test_band_copies_are_replaced_as_the_band_moves():
     """Steps across a tile boundary with a ring that has wrapped: each step's output, by
     the jnp path and by the kernel, matches the float64 oracle on the full sequence, and
