@@ -1,8 +1,10 @@
 """Sweep the decode kernel's settings (``triton_kernels.tuning.DecodeConfig``: keys per
-step, warps, stages, programs aimed for) on Llama-3-8B's attention shape, with the
-values in bf16 and in FP8, against cuDNN's bf16 decode in the same run.
+step, warps, stages, programs aimed for, FP8 values lifted or converted) on Llama-3-8B's
+attention shape, with the values in bf16 and in FP8, against cuDNN's bf16 decode in the
+same run.
 
     python benchmarks/tune_decode.py [--shapes 32768x8,32768x64,131072x8] [--calls 30]
+        [--lift-values 0,1]
 
 Prints, per shape and value format, the settings by time (ms and speed-up over cuDNN)
 and writes JSON.
@@ -48,12 +50,14 @@ def main() -> None:
     p.add_argument("--warps", default="4,8")
     p.add_argument("--stages", default="2,3")
     p.add_argument("--programs", default="264,1056")
+    p.add_argument("--lift-values", default="0", help="comma separated: 0 converts FP8 values, 1 lifts them")
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    settings = [DecodeConfig(n, w, st, pr) for n, w, st, pr in
-                itertools.product(ints(args.block_n), ints(args.warps), ints(args.stages), ints(args.programs))]
+    settings = [DecodeConfig(n, w, st, pr, lift_values=bool(lift)) for n, w, st, pr, lift in
+                itertools.product(ints(args.block_n), ints(args.warps), ints(args.stages), ints(args.programs),
+                                  ints(args.lift_values))]
     key = jax.random.PRNGKey(0)
     results = []
     for shape in args.shapes.split(","):
@@ -67,6 +71,8 @@ def main() -> None:
             arrays = [getattr(cache, f) for f in CACHE_FIELDS]
             rows = []
             for s in settings:
+                if s.lift_values and v_format != "fp8":
+                    continue  # only FP8 values are lifted
                 try:
                     ms = timed(dma_fn(cache, s), (q, *arrays), args.calls)
                 except Exception as e:  # a setting that does not compile (shared memory, registers)

@@ -103,17 +103,27 @@ def rel_l2(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def kernel_decode(q, cache):
+def kernel_decode(q, cache, launch=None):
     """A decode step through ``dma_jax.torch_decode_attention`` (Triton's interpreter on
     the CPU, the cache handed over by DLPack), float32 ``[B, n, HQ, D]``. The query goes
-    to the cache's device."""
+    to the cache's device. ``launch``: other kernel settings (a ``tuning.DecodeConfig``),
+    through the torch executor directly."""
     import torch
 
     from dma_jax import bridge, torch_decode_attention
+    from triton_kernels import torch_executor
+    from triton_kernels.geometry import CACHE_FIELDS
 
     device = bridge.to_torch(cache.length).device
     tq = torch.from_numpy(np.array(q.astype(jnp.float32))).to(device=device, dtype=getattr(torch, cache.dtype))
-    return torch_decode_attention(tq, cache).float().cpu().numpy()
+    if launch is None:
+        return torch_decode_attention(tq, cache).float().cpu().numpy()
+    arrays = {f: bridge.to_torch(getattr(cache, f)) for f in CACHE_FIELDS}
+    sink_len, ring_len = cache.slots
+    out = torch_executor.dma_decode(tq, arrays, sink_len=sink_len, ring_len=ring_len,
+                                    v_fp8=cache.v_format == "fp8", launch=launch,
+                                    **cache.config.decode_options(q.shape[3]))
+    return out.float().cpu().numpy()
 
 
 def kernel_append(cache, k, v):

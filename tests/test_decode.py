@@ -20,6 +20,7 @@ from dma_jax import DMAConfig, LowBitKVCache, decode_attention
 from dma_jax.formats import dequantize_token_e4m3, quantize_token_e4m3
 from triton_kernels import decode as decode_kernels
 from triton_kernels.geometry import TILE, cache_slot, cache_slots
+from triton_kernels.tuning import DecodeConfig
 
 import decode_cases
 import oracle
@@ -56,16 +57,22 @@ def test_decode_kernel_equals_full_sequence_reference(case):
     assert decode_cases.rel_l2(out, ref) <= 5e-3
 
 
-def test_fp8_values_whose_scales_span_a_wide_range():
-    """FP8 values whose per-token scales span 2^-60..2^60 within one block of keys (bf16
-    inputs): each scale multiplies P's column exactly, and the kernel still matches the
-    oracle, with nothing overflowing or flushed."""
+@pytest.mark.parametrize("value_octaves", [0, 60], ids=["values", "wide-value-scales"])
+def test_lifted_fp8_values_give_the_same_numbers(value_octaves):
+    """FP8 values (bf16 inputs) decoded by the conversions and lifted by bit moves
+    (``DecodeConfig(lift_values=True)``: value · 2^-120, P's columns and each block's
+    product rescaled by powers of two relative to the block's largest value scale). Both
+    match the oracle and each other, also with token scales from 2^-60 to 2^60 in one
+    block of keys (without the rescaling the factors overflow bf16)."""
     case = decode_cases.CASES[CASE_IDS.index("mxfp4-fp8v")]
-    q, cache, k, v = decode_cases.build(case, value_octaves=60)
-    out = decode_cases.kernel_decode(q, cache)
+    q, cache, k, v = decode_cases.build(case, value_octaves=value_octaves)
     ref = decode_cases.oracle_rows(q, cache, k, v, np.asarray(cache.length))
-    assert np.isfinite(out).all()
-    assert decode_cases.rel_l2(out, ref) <= 5e-3
+    converted = decode_cases.kernel_decode(q, cache)
+    lifted = decode_cases.kernel_decode(q, cache, launch=DecodeConfig(lift_values=True))
+    for out in (converted, lifted):
+        assert np.isfinite(out).all()
+        assert decode_cases.rel_l2(out, ref) <= 5e-3
+    assert decode_cases.rel_l2(lifted, converted) <= 1e-6
 
 
 def test_band_copies_are_replaced_as_the_band_moves():
@@ -158,33 +165,37 @@ def test_fp8_values_match_ml_dtypes():
 
 
 @triton.jit
-def _decode_codes_kernel(codes_ptr, even_ptr, odd_ptr, v_ptr, scale_ptr, HW: tl.constexpr, F32: tl.constexpr):
+def _decode_codes_kernel(codes_ptr, even_ptr, odd_ptr, v_ptr, lifted_ptr, scale_ptr, HW: tl.constexpr,
+                         F32: tl.constexpr):
     """Every byte value through the decode kernel's code readers: as two lifted E2M1
-    nibbles, as an E4M3 value (V, read as words) and as an NVFP4 block scale."""
+    nibbles, as an E4M3 value and lifted (V, read as words) and as an NVFP4 block scale."""
     rows, cols = tl.arange(0, 16), tl.arange(0, 16)
     at = rows[:, None] * 16 + cols[None, :]
     even, odd = decode_kernels._nibbles(tl.load(codes_ptr + at), True, HW, F32)
     tl.store(even_ptr + at, even.to(tl.float32))
     tl.store(odd_ptr + at, odd.to(tl.float32))
-    tl.store(v_ptr + at, decode_kernels._e4m3_words(codes_ptr, rows, rows < 16, 16, HW, F32).to(tl.float32))
+    tl.store(v_ptr + at, decode_kernels._e4m3_words(codes_ptr, rows, rows < 16, 16, False, HW, F32).to(tl.float32))
+    tl.store(lifted_ptr + at,
+             decode_kernels._e4m3_words(codes_ptr, rows, rows < 16, 16, True, HW, F32).to(tl.float32))
     tl.store(scale_ptr + at, decode_kernels._block_scales(codes_ptr, rows, rows < 16, 16, True, HW))
 
 
 def test_code_readers_against_ml_dtypes():
     """The decode kernel's readers of cache bytes, for all 256 byte values, against
     ml_dtypes: a 4-bit code lifted is its E2M1 value times 2^-126 (subnormal for 0 and
-    0.5), bit for bit; an E4M3 byte is its value; an unsigned E4M3 block scale is its
-    value (NaN for 0x7F). On a GPU the PTX readers, in the interpreter their integer
-    emulation. V's E4M3 NaN bytes are left out: the cache marks a non-finite token by
-    its scale (0xFF), so its elements never hold them."""
+    0.5), bit for bit; an E4M3 byte is its value, and lifted its value times 2^-120 (bf16
+    subnormals for E4M3's); an unsigned E4M3 block scale is its value (NaN for 0x7F). On
+    a GPU the PTX readers, in the interpreter their integer emulation. V's E4M3 NaN bytes
+    are left out: the cache marks a non-finite token by its scale (0xFF), so its
+    elements never hold them."""
     import torch
 
     from conftest import HAS_CUDA
 
     device = "cuda" if HAS_CUDA else "cpu"
     codes = torch.arange(256, dtype=torch.uint8, device=device)
-    even, odd, v, scale = (torch.empty(256, dtype=torch.float32, device=device) for _ in range(4))
-    _decode_codes_kernel[(1,)](codes, even, odd, v, scale, HW=HAS_CUDA, F32=not HAS_CUDA)
+    even, odd, v, lifted, scale = (torch.empty(256, dtype=torch.float32, device=device) for _ in range(5))
+    _decode_codes_kernel[(1,)](codes, even, odd, v, lifted, scale, HW=HAS_CUDA, F32=not HAS_CUDA)
     b = np.arange(256, dtype=np.uint8)
     e2m1 = lambda n: n.view(ml_dtypes.float4_e2m1fn).astype(np.float32) * np.float32(2.0**-126)  # noqa: E731
     np.testing.assert_array_equal(even.cpu().numpy().view(np.uint32), e2m1(b & 0xF).view(np.uint32))
@@ -192,6 +203,8 @@ def test_code_readers_against_ml_dtypes():
     e4m3 = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     finite = np.isfinite(e4m3)  # a NaN value's token has the NaN scale instead
     np.testing.assert_array_equal(v.cpu().numpy()[finite], e4m3[finite])
+    np.testing.assert_array_equal(lifted.cpu().numpy()[finite].view(np.uint32),
+                                  (e4m3[finite] * np.float32(2.0**-120)).view(np.uint32))
     np.testing.assert_array_equal(scale.cpu().numpy()[:128], e4m3[:128])
 
 

@@ -111,18 +111,57 @@ def _fp8(codes, EXP_BITS: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.conste
 
 
 @triton.jit
-def _e4m3_words(v_ptr, rows, mask, D: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr):
+def _e4m3_lifted(bytes_, DOT_F32: tl.constexpr):
+    """E4M3 bytes (int32 in [0, 255]) lifted: the seven magnitude bits moved under
+    bf16's exponent, ``(b & 0x7F) << 4``, the sign to bit 15. That is the value times
+    2^-120 for every finite code (subnormals included: exponent field 0 stays 0), from
+    bit moves only (float32 with DOT_F32: the same bits 16 places up)."""
+    bits = ((bytes_ & 0x7F) << 4) | ((bytes_ & 0x80) << 8)
+    if DOT_F32:
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _e4m3_words(v_ptr, rows, mask, D: tl.constexpr, LIFTED: tl.constexpr, HW_CVT: tl.constexpr,
+                DOT_F32: tl.constexpr):
     """E4M3 rows ``[R, D]`` (uint8) as bf16 values (float32 with DOT_F32), read as 32-bit
     words: a byte-wide load would be gathered byte by byte from shared memory into the
-    MMA's layout. Each word's four bytes are converted apart (shifts, ``_fp8``) and put
-    back in order: ``join`` adds a trailing axis, so joining (v0, v2) with (v1, v3)
-    flattens to v0, v1, v2, v3."""
+    MMA's layout. Each word's four bytes are converted apart and put back in order:
+    ``join`` adds a trailing axis, so joining (v0, v2) with (v1, v3) flattens to v0, v1,
+    v2, v3.
+
+    LIFTED: the values times 2^-120 (``_e4m3_lifted``). On a GPU by PTX on the word:
+    ``prmt`` puts bytes 0 and 1 (then 2 and 3) in the high bytes of a register's bf16
+    halves, two masks, a shift and an or finish both: ten ALU instructions for four
+    values, where the conversion instructions (E4M3 to f16 to bf16) run at a quarter of
+    the ALU rate. Otherwise the GPU's conversion (exact), or integer decoding in the interpreter."""
     words = tl.load(v_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rows[:, None] * (D // 4)
                     + tl.arange(0, D // 4)[None, :], mask=mask[:, None], other=0)
-    v0 = _fp8((words & 0xFF).to(tl.uint8), 4, HW_CVT, DOT_F32)
-    v1 = _fp8(((words >> 8) & 0xFF).to(tl.uint8), 4, HW_CVT, DOT_F32)
-    v2 = _fp8(((words >> 16) & 0xFF).to(tl.uint8), 4, HW_CVT, DOT_F32)
-    v3 = _fp8(((words >> 24) & 0xFF).to(tl.uint8), 4, HW_CVT, DOT_F32)
+    if LIFTED and HW_CVT and not DOT_F32:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, a, s;
+            prmt.b32 t, $4, 0, 0x1404;
+            and.b32 a, t, 0x7F007F00; shr.b32 a, a, 4; and.b32 s, t, 0x80008000; or.b32 a, a, s;
+            mov.b32 {$0, $1}, a;
+            prmt.b32 t, $4, 0, 0x3424;
+            and.b32 a, t, 0x7F007F00; shr.b32 a, a, 4; and.b32 s, t, 0x80008000; or.b32 a, a, s;
+            mov.b32 {$2, $3}, a;
+            }""",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
+            pack=1)
+    elif LIFTED:
+        v0 = _e4m3_lifted(words & 0xFF, DOT_F32)
+        v1 = _e4m3_lifted((words >> 8) & 0xFF, DOT_F32)
+        v2 = _e4m3_lifted((words >> 16) & 0xFF, DOT_F32)
+        v3 = _e4m3_lifted((words >> 24) & 0xFF, DOT_F32)
+    else:
+        v0 = _fp8((words & 0xFF).to(tl.uint8), 4, HW_CVT, DOT_F32)
+        v1 = _fp8(((words >> 8) & 0xFF).to(tl.uint8), 4, HW_CVT, DOT_F32)
+        v2 = _fp8(((words >> 16) & 0xFF).to(tl.uint8), 4, HW_CVT, DOT_F32)
+        v3 = _fp8(((words >> 24) & 0xFF).to(tl.uint8), 4, HW_CVT, DOT_F32)
     return tl.join(tl.join(v0, v2), tl.join(v1, v3)).reshape(v0.shape[0], D)
 
 
@@ -199,8 +238,8 @@ def _decode_run(
     lo_codes, lo_scales, lo_token, hi_codes, hi_scales, v_ptr, v_scale,
     hkv, HKV, length, sink_len, ring_len, start, stop,
     MODE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HI_E: tl.constexpr, LO_BLOCK: tl.constexpr,
-    LO_NV: tl.constexpr, V_FP8: tl.constexpr, P_DTYPE: tl.constexpr, PV_F32: tl.constexpr,
-    HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    LO_NV: tl.constexpr, V_FP8: tl.constexpr, V_LIFT: tl.constexpr, P_DTYPE: tl.constexpr,
+    PV_F32: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
 ):
     """Online base-2 softmax over keys [start, stop) (``start`` a multiple of BLOCK_N,
     which divides TILE) in one MODE: low copies, high copies, or both with the format
@@ -251,19 +290,28 @@ def _decode_run(
             p = p.to(tl.float16)
         if V_FP8:
             # E4M3 values with one E8M0 scale per token: the scale multiplies P's column
-            # (exact: a power of two), the values go in as they are.
+            # (exact: a power of two), the values go in as they are. Lifted values
+            # (V_LIFT) are value · 2^-120: P's column takes 2^(e - c + 120) instead and
+            # the block's product 2^c, c the largest exponent of the block's finite
+            # tokens, so every factor is a power of two that stays in bf16's range.
             vs = tl.load(v_scale + rows, mask=t_ok, other=127).to(tl.int32)
-            factor = tl.where(vs == 0xFF, float("nan"), pow2(tl.maximum(vs - 127, -126)))
+            e = tl.maximum(vs - 127, -126)
+            if V_LIFT:
+                c = tl.max(tl.where(t_ok & (vs != 0xFF), e, -126), axis=0)
+                e = tl.minimum(tl.maximum(e - c + 120, -126), 120)  # masked tokens: any finite factor
+            factor = tl.where(vs == 0xFF, float("nan"), pow2(e))
             p = p.to(tl.float32) * factor[None, :]
             if not PV_F32:
                 p = p.to(tl.bfloat16)
-            v = _e4m3_words(v_ptr, rows, t_ok, D, HW_CVT, PV_F32)
+            v = _e4m3_words(v_ptr, rows, t_ok, D, V_LIFT, HW_CVT, PV_F32)
         else:
             v = tl.load(v_ptr + rows[:, None] * D + cols[None, :], mask=t_ok[:, None], other=0.0)
         if PV_F32:
             pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(p, v.to(p.dtype), out_dtype=tl.float32)
+        if V_LIFT:
+            pv = pv * pow2(c)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
@@ -277,8 +325,9 @@ def _dma_decode_kernel(
     o_acc, o_m, o_l,
     D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HI_E: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NV: tl.constexpr,
-    HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, MIXED: tl.constexpr, V_FP8: tl.constexpr, P_DTYPE: tl.constexpr,
-    PV_F32: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, MIXED: tl.constexpr, V_FP8: tl.constexpr, V_LIFT: tl.constexpr,
+    P_DTYPE: tl.constexpr, PV_F32: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr,
+    FIX_BF16: tl.constexpr,
 ):
     split = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -342,28 +391,28 @@ def _dma_decode_kernel(
         acc, m_i, l_i = _decode_run(
             acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
             hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, lo, tl.minimum(sink_end, hi),
-            _HIGH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
+            _HIGH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
         acc, m_i, l_i = _decode_run(
             acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
             hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, tl.maximum(sink_end, lo),
             tl.minimum(both_start, hi),
-            _LOW, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
+            _LOW, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
         if MIXED:
             acc, m_i, l_i = _decode_run(
                 acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
                 hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, tl.maximum(both_start, lo),
                 tl.minimum(band_start, hi),
-                _BOTH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
+                _BOTH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
         acc, m_i, l_i = _decode_run(
             acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
             hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, tl.maximum(band_start, lo), hi,
-            _HIGH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
+            _HIGH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
     else:
         acc, m_i, l_i = _decode_run(
             acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
             hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, lo, hi,
-            _HIGH if HAS_HI else _LOW, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, P_DTYPE, PV_F32, HW_CVT, DOT_F32,
-            FIX_BF16)
+            _HIGH if HAS_HI else _LOW, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT,
+            DOT_F32, FIX_BF16)
     out = ((b * HKV + hkv) * n_split + split).to(tl.int64) * BLOCK_M + m_rows
     cols = tl.arange(0, D)
     tl.store(o_acc + out[:, None] * D + cols[None, :], acc)

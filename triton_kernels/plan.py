@@ -401,7 +401,10 @@ def decode_plan(q: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len
         (Buffer("acc", (*partial, d), "float32"), Buffer("row_max", partial, "float32"),
          Buffer("row_sum", partial, "float32")),
         _meta(D=d, GROUP=group, BLOCK_M=block_m, BLOCK_N=launch.block_n, HI_E=hi.exp_bits, LO_BLOCK=lo.block,
-              LO_NV=low == "nvfp4", HAS_LO=has_lo, HAS_HI=has_hi, MIXED=n_q > 1, V_FP8=v_fp8, P_DTYPE=q.dtype,
+              LO_NV=low == "nvfp4", HAS_LO=has_lo, HAS_HI=has_hi, MIXED=n_q > 1, V_FP8=v_fp8,
+              # Lifted FP8 values need P·V in bf16 (the interpreter runs their float32
+              # emulation); fp16 and fp32 inputs convert them.
+              V_LIFT=v_fp8 and q.dtype == "bfloat16" and launch.lift_values, P_DTYPE=q.dtype,
               # fp32 P·V for fp32 inputs, and for fp16 with E4M3 V (not always an fp16 value).
               PV_F32=q.dtype == "float32" or (v_fp8 and q.dtype != "bfloat16") or target.interpret,
               HW_CVT=not target.interpret, DOT_F32=target.interpret, FIX_BF16=target.interpret),

@@ -141,7 +141,9 @@ class DecodeConfig:
     pipeline stages, and the programs to aim for when splitting the keys (at least
     ``min_blocks`` key blocks per split, so that loading and decoding Q stays small
     next to its keys; at most ``max_splits`` splits, which one program per kv head and
-    batch row combines in turn)."""
+    batch row combines in turn). ``lift_values``: FP8 values decoded by bit moves
+    (``decode._e4m3_words``) instead of the conversion instructions where P·V runs in
+    bf16; the same numbers either way, off until it is timed against the conversions."""
 
     block_n: int = 128
     num_warps: int = 4
@@ -149,6 +151,7 @@ class DecodeConfig:
     programs: int = 1056
     min_blocks: int = 4
     max_splits: int = 64
+    lift_values: bool = False
 
 
 DECODE = DecodeConfig()
