@@ -234,9 +234,7 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _decode_run(
-    acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos,
-    lo_codes, lo_scales, lo_token, hi_codes, hi_scales, v_ptr, v_scale,
-    hkv, HKV, length, sink_len, ring_len, start, stop,
+    acc, m_i, l_i, query, cache, where, start, stop,
     MODE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HI_E: tl.constexpr, LO_BLOCK: tl.constexpr,
     LO_NV: tl.constexpr, V_FP8: tl.constexpr, V_LIFT: tl.constexpr, P_DTYPE: tl.constexpr,
     PV_F32: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
@@ -245,7 +243,14 @@ def _decode_run(
     which divides TILE) in one MODE: low copies, high copies, or both with the format
     chosen per row (``row_high``). Every block is masked: key < length and, causally,
     key <= the row's position. The cache pointers point at this batch row, so the
-    loop indexes in int32."""
+    loop indexes in int32. The runs of a program share their tensors, in tuples:
+    ``query`` (Q's operands, each row's high flag and position), ``cache`` (the cache's
+    pointers) and ``where`` (kv head, kv heads, filled length, the high slots); the
+    compile-time switches stay arguments of their own (Triton does not keep a tuple's
+    elements constant)."""
+    q_hi, q_even, q_odd, q_s2, row_high, q_pos = query
+    lo_codes, lo_scales, lo_token, hi_codes, hi_scales, v_ptr, v_scale = cache
+    hkv, HKV, length, sink_len, ring_len = where
     offs = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, D)
     for n0 in range(start, stop, BLOCK_N):
@@ -387,30 +392,26 @@ def _dma_decode_kernel(
     # The runs in key order: sink (high), far (low), the mixed tile, the band (high).
     # Without high pairs everything is far; without low pairs everything is high. A
     # mixed tile needs rows on both sides of a tile edge: never with one row (MIXED).
+    query = (q_hi, q_even, q_odd, q_s2, row_high, q_pos)
+    cache = (lo_codes, lo_scales, lo_token, hi_codes, hi_scales, v_ptr, v_scale)
+    where = (hkv, HKV, length, sink_len, ring_len)
     if HAS_HI and HAS_LO:
         acc, m_i, l_i = _decode_run(
-            acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
-            hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, lo, tl.minimum(sink_end, hi),
+            acc, m_i, l_i, query, cache, where, lo, tl.minimum(sink_end, hi),
             _HIGH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
         acc, m_i, l_i = _decode_run(
-            acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
-            hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, tl.maximum(sink_end, lo),
-            tl.minimum(both_start, hi),
+            acc, m_i, l_i, query, cache, where, tl.maximum(sink_end, lo), tl.minimum(both_start, hi),
             _LOW, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
         if MIXED:
             acc, m_i, l_i = _decode_run(
-                acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
-                hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, tl.maximum(both_start, lo),
-                tl.minimum(band_start, hi),
+                acc, m_i, l_i, query, cache, where, tl.maximum(both_start, lo), tl.minimum(band_start, hi),
                 _BOTH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
         acc, m_i, l_i = _decode_run(
-            acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
-            hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, tl.maximum(band_start, lo), hi,
+            acc, m_i, l_i, query, cache, where, tl.maximum(band_start, lo), hi,
             _HIGH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
     else:
         acc, m_i, l_i = _decode_run(
-            acc, m_i, l_i, q_hi, q_even, q_odd, q_s2, row_high, q_pos, lo_codes, lo_scales, lo_token, hi_codes,
-            hi_scales, v_ptr, v_scale, hkv, HKV, length, sink_len, ring_len, lo, hi,
+            acc, m_i, l_i, query, cache, where, lo, hi,
             _HIGH if HAS_HI else _LOW, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT,
             DOT_F32, FIX_BF16)
     out = ((b * HKV + hkv) * n_split + split).to(tl.int64) * BLOCK_M + m_rows
