@@ -73,13 +73,13 @@ def run(launches: tuple[Launch, ...] | list[Launch], env: dict[str, Any]) -> dic
     for launch in launches:
         out_shape = [jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs]
         args = [_argument(a, env) for a in launch.args]
-        # jax-triton numbers its inputs among the array arguments only.
-        arrays = [a for a in launch.args if not isinstance(a, Scalar)]
-        aliases = {arrays.index(o.updates): i for i, o in enumerate(launch.outputs) if o.updates}
         if launch.gluon:
             outs = gluon_call(*args, kernel=launch.kernel, out_shape=out_shape, grid=launch.grid,
                               num_warps=launch.num_warps, **launch.meta)
         else:
+            # jax-triton numbers its inputs among the array arguments only.
+            arrays = [a for a in launch.args if not isinstance(a, Scalar)]
+            aliases = {arrays.index(o.updates): i for i, o in enumerate(launch.outputs) if o.updates}
             outs = triton_call(*args, kernel=launch.kernel, out_shape=out_shape, grid=launch.grid,
                                num_warps=launch.num_warps, num_stages=launch.num_stages,
                                input_output_aliases=aliases, **launch.meta)

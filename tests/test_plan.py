@@ -239,6 +239,8 @@ def test_gluon_launches_go_through_gluon_call(monkeypatch):
                     num_warps=4, gluon=True)
     executor.run((launch,), {"x": jnp.zeros((2,), jnp.float32)})
     assert calls == [("g", (2, 1, 1), 4, {"S": 3})]
+    with pytest.raises(ValueError, match="Gluon launch cannot update"):
+        Launch(_Kernel("g", log), (2, 1, 1), ("x",), (Buffer("x", (2,), "float32", updates="x"),), (), gluon=True)
 
 
 def test_cache_append_plan_updates_the_cache_in_place():
