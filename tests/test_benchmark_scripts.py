@@ -28,12 +28,18 @@ sys.exit(1 if failed else 0)
 """
 
 
+def run_python(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python *argv`` (in ``env``, default this process's) with the benchmark scripts
+    and the repository importable, as the scripts import their neighbours and
+    ``models``; output captured as text."""
+    path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
+    return subprocess.run([sys.executable, *argv], env=dict(os.environ if env is None else env, PYTHONPATH=path),
+                          capture_output=True, text=True)
+
+
 def test_every_benchmark_script_imports():
     assert len(SCRIPTS) >= 10  # the glob found the scripts
-    path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
-    env = dict(os.environ, PYTHONPATH=path)
-    done = subprocess.run([sys.executable, "-c", IMPORT_ALL, *(s.stem for s in SCRIPTS)], env=env,
-                          capture_output=True, text=True)
+    done = run_python("-c", IMPORT_ALL, *(s.stem for s in SCRIPTS))
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
 
 
@@ -41,19 +47,16 @@ def test_b200_check_refuses_other_gpus():
     """benchmarks/b200.py is for sm_100: elsewhere it stops with a message that says so,
     and on a machine that is not sm_100 (this one, unless it is a B200) the script exits
     with that message."""
-    path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
-    done = subprocess.run([sys.executable, "-c", "import b200, json; print(json.dumps([b200.refusal(*c) for c in ("
-                           "('none', None), ('NVIDIA H100 80GB HBM3', (9, 0)), ('NVIDIA B200', (10, 0)))] + "
-                           "[b200.refusal(*b200.capability())]))"], env=dict(os.environ, PYTHONPATH=path),
-                          capture_output=True, text=True)
+    done = run_python("-c", "import b200, json; print(json.dumps([b200.refusal(*c) for c in ("
+                      "('none', None), ('NVIDIA H100 80GB HBM3', (9, 0)), ('NVIDIA B200', (10, 0)))] + "
+                      "[b200.refusal(*b200.capability())]))")
     assert done.returncode == 0, done.stderr[-2000:]
     no_gpu, hopper, blackwell, here = json.loads(done.stdout)
     assert "this machine's GPU is none (compute capability None)" in no_gpu
     assert "this machine's GPU is NVIDIA H100 80GB HBM3 (compute capability (9, 0))" in hopper
     assert blackwell is None
     if here is not None:
-        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "b200.py")],
-                              env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+        done = run_python(str(ROOT / "benchmarks" / "b200.py"))
         assert done.returncode != 0 and here in done.stderr
 
 
@@ -65,10 +68,8 @@ def test_sm100_static_report(tmp_path):
 
     if not TRITON_39:
         pytest.skip("compiling for sm_100 without a GPU needs triton >= 3.9")
-    env = dict(compiler_env(), PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)]))
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sm100_static.py"), "--configs", "default",
-                           "--head-dims", "64", "--no-sm120", "--out", str(tmp_path)], env=env, capture_output=True,
-                          text=True)
+    done = run_python(str(ROOT / "benchmarks" / "sm100_static.py"), "--configs", "default", "--head-dims", "64",
+                      "--no-sm120", "--out", str(tmp_path), env=compiler_env())
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "sm100_static.json").read_text())["rows"]
     attention = [r for r in rows if r["launch"].endswith("_dma_attention_kernel")]
@@ -85,9 +86,7 @@ def test_b200_check_parity_part_runs_in_the_interpreter():
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU machine the interpreter is not in use")
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "b200.py"), "--interpreter"],
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])),
-                          capture_output=True, text=True)
+    done = run_python(str(ROOT / "benchmarks" / "b200.py"), "--interpreter")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "sm_100 parity in the interpreter: " in done.stdout and " passed" in done.stdout
 
@@ -117,10 +116,8 @@ def test_decode_step_counts_launching_operations():
     """benchmarks/decode_step.py's parser counts the ENTRY computation's instructions
     by opcode, without those that launch nothing (parameters, constants, tuples) and
     without the fused computations' bodies."""
-    path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
-    done = subprocess.run([sys.executable, "-c", "import decode_step, json, sys; "
-                           "print(json.dumps(decode_step.entry_ops(sys.argv[1])))", HLO],
-                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+    done = run_python("-c", "import decode_step, json, sys; print(json.dumps(decode_step.entry_ops(sys.argv[1])))",
+                      HLO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout) == {"fusion": 1, "custom-call": 1, "scatter": 1}
 
@@ -129,16 +126,15 @@ def test_decode_step_kernel_report_counts_busy_time_once():
     """decode_step.py --profile: the GPU's busy time is the union of its kernels'
     intervals (overlaps counted once), against a brute-force count over integer time
     steps; per-kernel totals and counts per step."""
-    path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
     rng = np.random.default_rng(0)
     starts = rng.integers(0, 500, 60)
     kernels = [(f"k{i % 3}", int(s), int(s + rng.integers(1, 40))) for i, s in enumerate(starts)]
     covered = np.zeros(600, bool)
     for _, s, e in kernels:
         covered[s:e] = True
-    done = subprocess.run([sys.executable, "-c", "import decode_step, json, sys; "
-                           "print(json.dumps(decode_step.kernel_report(json.loads(sys.argv[1]), 2, top=3)))",
-                           json.dumps(kernels)], env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+    done = run_python("-c", "import decode_step, json, sys; "
+                      "print(json.dumps(decode_step.kernel_report(json.loads(sys.argv[1]), 2, top=3)))",
+                      json.dumps(kernels))
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert report["busy_ms"] == pytest.approx(covered.sum() / 2 / 1e6)
@@ -156,10 +152,8 @@ def test_decode_step_random_model_has_smollm2_shape():
 
     from models.llama import loaders
 
-    path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
-    done = subprocess.run([sys.executable, "-c", "import dataclasses, decode_step, json; "
-                           "print(json.dumps(dataclasses.asdict(decode_step.SMOLLM2_135M)))"],
-                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+    done = run_python("-c", "import dataclasses, decode_step, json; "
+                      "print(json.dumps(dataclasses.asdict(decode_step.SMOLLM2_135M)))")
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout)
     want = json.loads(json.dumps(dataclasses.asdict(loaders._gguf_config(gguf.GGUFReader(
@@ -172,10 +166,8 @@ def test_decode_step_random_model_has_smollm2_shape():
 def test_decode_step_runs_on_cpu(tmp_path):
     """benchmarks/decode_step.py runs on the CPU and writes one row per attention
     choice whose counts add up; the low-bit cache's step runs more operations."""
-    path = os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_step.py"), "--prompt", "16",
-                           "--steps", "3", "--attention", "exact,dma+dma", "--profile", "--out", str(tmp_path)],
-                          env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+    done = run_python(str(ROOT / "benchmarks" / "decode_step.py"), "--prompt", "16", "--steps", "3", "--attention",
+                      "exact,dma+dma", "--profile", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((tmp_path / "decode_step_cpu.json").read_text())["rows"]
     assert set(rows) == {"exact", "dma+dma"}
