@@ -5,7 +5,9 @@ For SmolLM2-135M (the embedded GGUF, ``--checkpoint``, or ``--random-weights``: 
 shape with random weights, which times the same, for a machine without the checkpoint)
 at one prompt length and batch size: prefill once, then time the generation loop's
 decode step (``models.decoding.jitted_steps``: greedy, jitted over the split model,
-the cache donated on a GPU) as back-to-back calls, and count the
+the cache donated on a GPU) as back-to-back calls, in rounds where the choices take
+turns (the median round counts: from one process to the next, and within one, the
+step time of this small model moves by up to a third), and count the
 top-level operations of the step's optimized HLO by kind: fusions, custom calls
 (Triton kernels, cuDNN), scatters and the rest. Each is at least one kernel launch,
 so the counts show whether a step is bound by its kernels or by launching them.
@@ -14,7 +16,7 @@ the GPU ran per step, the time it was busy running them (against the step's time
 far the step is bound by launching rather than running kernels) and the kernels that
 took longest. Prints a table and writes ``results/decode_step_<gpu>.json``.
 
-    python benchmarks/decode_step.py [--prompt 2048] [--batch 1] [--steps 64]
+    python benchmarks/decode_step.py [--prompt 2048] [--batch 1] [--steps 32] [--rounds 5]
         [--attention cudnn,dma,dma+dma,dma+dma-fp8v] [--checkpoint PATH | --random-weights]
         [--profile]
 """
@@ -28,6 +30,7 @@ import json
 import os
 import pathlib
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -100,42 +103,60 @@ def kernel_report(kernels: list[tuple[str, int, int]], steps: int, top: int = 6)
                     for n, t in by_name.most_common(top)]}
 
 
-def measure(model, spec: AttentionSpec, prompt: int, batch: int, steps: int, profile: bool = False) -> dict:
-    """The generation loop's own greedy steps (``models.decoding.jitted_steps``)."""
-    graphdef, state = nnx.split(model)
-    prefill, decode = jitted_steps(graphdef, spec, Sampling())
-    tokens = jax.random.randint(jax.random.key(prompt), (batch, prompt), 100, model.config.vocab_size)
-    lengths = jnp.full((batch,), prompt, jnp.int32)
-    cache = new_cache(model.config, spec, batch, prompt + (2 if profile else 1) * steps + 1, model.dtype)
-    token, cache, key = prefill(state, tokens, lengths, cache, jax.random.key(0))
-    compiled = decode.lower(state, token, cache, key).compile()
-    token, cache, key = compiled(state, token, cache, key)  # warm-up
-    jax.block_until_ready(token)
-    start = time.perf_counter()
-    for _ in range(steps - 1):
-        token, cache, key = compiled(state, token, cache, key)
-    jax.block_until_ready(token)
-    ms = 1e3 * (time.perf_counter() - start) / (steps - 1)
-    ops = entry_ops(compiled.as_text())
-    layers = model.config.num_layers
-    row = {"step_ms": ms, "ms_per_layer": ms / layers, "ops": sum(ops.values()),
-           "ops_per_layer": sum(ops.values()) / layers, "by_kind": dict(ops.most_common())}
-    if profile:
-        with tempfile.TemporaryDirectory() as trace:
-            with jax.profiler.trace(trace):
-                for _ in range(steps):
-                    token, cache, key = compiled(state, token, cache, key)
-                jax.block_until_ready(token)
-            kernels = gpu_kernels(trace)
-        row["profile"] = kernel_report(kernels, steps) if kernels else None
-    return row
+class Stepper:
+    """One attention choice's compiled greedy decode step (``models.decoding.jitted_steps``:
+    jitted over the split model, the cache donated on a GPU) after a prefill, with the
+    loop's carry (token, cache, key), so that choices can be timed in turn."""
+
+    def __init__(self, model, spec: AttentionSpec, prompt: int, batch: int, capacity: int):
+        graphdef, self.state = nnx.split(model)
+        prefill, decode = jitted_steps(graphdef, spec, Sampling())
+        tokens = jax.random.randint(jax.random.key(prompt), (batch, prompt), 100, model.config.vocab_size)
+        lengths = jnp.full((batch,), prompt, jnp.int32)
+        cache = new_cache(model.config, spec, batch, capacity, model.dtype)
+        self.carry = prefill(self.state, tokens, lengths, cache, jax.random.key(0))
+        self.compiled = decode.lower(self.state, *self.carry).compile()
+        self.run(1)  # warm-up
+
+    def run(self, steps: int) -> float:
+        """Run ``steps`` steps back to back; milliseconds per step."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.carry = self.compiled(self.state, *self.carry)
+        jax.block_until_ready(self.carry)
+        return 1e3 * (time.perf_counter() - start) / steps
+
+
+def measure(steppers: dict[str, Stepper], layers: int, steps: int, rounds: int, profile: bool = False) -> dict:
+    """Each choice's step time, the median of ``rounds`` rounds of ``steps`` steps with
+    the choices taking turns (so that a slow spell of the machine hits all of them),
+    and its optimized HLO's operations; with ``profile``, a trace of ``steps`` more."""
+    times: dict[str, list[float]] = {name: [] for name in steppers}
+    for _ in range(rounds):
+        for name, stepper in steppers.items():
+            times[name].append(stepper.run(steps))
+    rows = {}
+    for name, stepper in steppers.items():
+        ms = statistics.median(times[name])
+        ops = entry_ops(stepper.compiled.as_text())
+        rows[name] = {"step_ms": ms, "step_ms_rounds": times[name], "ms_per_layer": ms / layers,
+                      "ops": sum(ops.values()), "ops_per_layer": sum(ops.values()) / layers,
+                      "by_kind": dict(ops.most_common())}
+        if profile:
+            with tempfile.TemporaryDirectory() as trace:
+                with jax.profiler.trace(trace):
+                    stepper.run(steps)
+                kernels = gpu_kernels(trace)
+            rows[name]["profile"] = kernel_report(kernels, steps) if kernels else None
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompt", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--steps", type=int, default=32, help="steps per round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds; the choices take turns, the median is reported")
     p.add_argument("--attention", default="cudnn,dma,dma+dma,dma+dma-fp8v")
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--checkpoint", default=None,
@@ -151,16 +172,21 @@ def main() -> None:
         model = Llama(SMOLLM2_135M, dtype=dtype)
     else:
         model, _ = load_checkpoint(args.checkpoint, dtype=dtype)
-    rows = {name: measure(model, SPECS[name], args.prompt, args.batch, args.steps, args.profile) for name in names}
+    capacity = args.prompt + (args.rounds + 1) * args.steps + 2
+    steppers = {name: Stepper(model, SPECS[name], args.prompt, args.batch, capacity) for name in names}
+    rows = measure(steppers, model.config.num_layers, args.steps, args.rounds, args.profile)
     device = jax.devices()[0].device_kind
     print(f"{device}, prompt {args.prompt}, batch {args.batch}, {model.config.num_layers} layers, "
-          f"{args.steps} steps back to back{', random weights' if args.random_weights else ''}")
-    print("| attention | ms per step | ms per layer | operations per step | per layer | main kinds |")
-    print("|---|---:|---:|---:|---:|---|")
+          f"median of {args.rounds} rounds of {args.steps} steps back to back, the choices in turn"
+          f"{', random weights' if args.random_weights else ''}")
+    print("| attention | ms per step | rounds' range | ms per layer | operations per step | per layer "
+          "| main kinds |")
+    print("|---|---:|---:|---:|---:|---:|---|")
     for name, r in rows.items():
         kinds = ", ".join(f"{k} {n}" for k, n in list(r["by_kind"].items())[:4])
-        print(f"| {name} | {r['step_ms']:.2f} | {r['ms_per_layer']:.3f} | {r['ops']} | {r['ops_per_layer']:.1f} "
-              f"| {kinds} |")
+        spread = f"{min(r['step_ms_rounds']):.2f}–{max(r['step_ms_rounds']):.2f}"
+        print(f"| {name} | {r['step_ms']:.2f} | {spread} | {r['ms_per_layer']:.3f} | {r['ops']} "
+              f"| {r['ops_per_layer']:.1f} | {kinds} |")
     if args.profile:
         print("\n| attention | kernels per step | GPU busy ms per step | busy / step time "
               "| longest kernels (us per step) |")
@@ -178,7 +204,7 @@ def main() -> None:
     path = os.path.join(args.out, f"decode_step_{tag}.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "device": device, "jax": jax.__version__,
-                   "prompt": args.prompt, "batch": args.batch, "steps": args.steps,
+                   "prompt": args.prompt, "batch": args.batch, "steps": args.steps, "rounds": args.rounds,
                    "random_weights": args.random_weights, "rows": rows}, fh, indent=2)
     print(f"wrote {path}")
 
