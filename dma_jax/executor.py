@@ -1,17 +1,15 @@
 """Runs launch plans (``triton_kernels.plan``) inside JAX programs: the CUDA lowerings of
-``dma_attention``, ``dma_decode`` and ``dma_cache_append``. Triton kernels go through
-jax-triton's ``triton_call``, the Gluon kernel through ``gluon_call``. jax-triton has no
-dtype for float8/E8M0/FP4, so codes and scales travel as uint8.
+``dma_attention``, ``dma_decode`` and ``dma_cache_append``. Each launch, Triton or
+Gluon, is one ``triton_call``. Codes and scales travel as uint8 (the plans' buffers
+have no float8/E8M0/FP4 dtypes).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from triton_kernels import plan as plans
 from triton_kernels.geometry import CACHE_FIELDS
@@ -20,26 +18,8 @@ from triton_kernels.target import Target
 
 from .config import DMAConfig
 
-__all__ = ["attention_plan", "decode_plan", "gpu_target", "import_jax_triton", "input_attention_plan", "run",
+__all__ = ["attention_plan", "decode_plan", "gpu_target", "input_attention_plan", "run",
            "triton_attention", "triton_decode", "triton_input_attention"]
-
-
-def import_jax_triton():
-    """Import jax_triton, undoing its blanking of TRITON_CACHE_DIR.
-
-    jax-triton 0.3.1 sets ``TRITON_CACHE_DIR=""`` on import, after which any
-    Triton launch from torch in the same process fails with "Could not create
-    or locate cache dir"; the previous value (or Triton's default) is restored.
-    """
-    before = os.environ.get("TRITON_CACHE_DIR")
-    try:
-        import jax_triton
-    finally:  # also when it fails half-way (on a JAX without GPU support)
-        if before:
-            os.environ["TRITON_CACHE_DIR"] = before
-        else:
-            os.environ.pop("TRITON_CACHE_DIR", None)
-    return jax_triton
 
 
 def gpu_target() -> Target:
@@ -56,33 +36,29 @@ def buffer(name: str, x: Any) -> Buffer:
     return Buffer(name, tuple(x.shape), jnp.dtype(x.dtype).name)
 
 
-def _argument(arg: str | Scalar, env: dict[str, Any]) -> Any:
-    if isinstance(arg, Scalar):
-        return np.float32(arg.value) if arg.dtype == "fp32" else int(arg.value)
-    return env[arg]
-
-
 def run(launches: tuple[Launch, ...] | list[Launch], env: dict[str, Any]) -> dict[str, Any]:
     """Stage each of ``launches`` in order on the arrays of ``env`` (buffer name ->
     array, the call's inputs and earlier outputs); returns ``env`` with every
     launch's outputs added."""
-    from .gluon_call import gluon_call
+    from triton_kernels.aot import launcher_specialisation, signature
 
-    triton_call = import_jax_triton().triton_call
+    from .triton_call import triton_call
+
     env = dict(env)
     for launch in launches:
-        out_shape = [jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs]
-        args = [_argument(a, env) for a in launch.args]
-        if launch.gluon:
-            outs = gluon_call(*args, kernel=launch.kernel, out_shape=out_shape, grid=launch.grid,
-                              num_warps=launch.num_warps, **launch.meta)
-        else:
-            # jax-triton numbers its inputs among the array arguments only.
-            arrays = [a for a in launch.args if not isinstance(a, Scalar)]
-            aliases = {arrays.index(o.updates): i for i, o in enumerate(launch.outputs) if o.updates}
-            outs = triton_call(*args, kernel=launch.kernel, out_shape=out_shape, grid=launch.grid,
-                               num_warps=launch.num_warps, num_stages=launch.num_stages,
-                               input_output_aliases=aliases, **launch.meta)
+        # Specialised as Triton's own launcher (the torch executor's) would: the same kernel.
+        ones, divisible = launcher_specialisation(launch)
+        names = launch.kernel.arg_names
+        scalars = {n: float(a.value) if a.dtype == "fp32" else int(a.value)
+                   for n, a in zip(names, launch.args) if isinstance(a, Scalar) and n not in ones}
+        inputs = [a for a in launch.args if not isinstance(a, Scalar)]
+        outs = triton_call(*(env[a] for a in inputs), kernel=launch.kernel,
+                           signature=signature(launch, {n: jnp.dtype(x.dtype).name for n, x in env.items()}, ones),
+                           constexprs={**launch.meta, **ones}, scalars=scalars, divisible=divisible,
+                           out_shape=[jax.ShapeDtypeStruct(o.shape, jnp.dtype(o.dtype)) for o in launch.outputs],
+                           grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,
+                           gluon=launch.gluon,
+                           aliases={inputs.index(o.updates): i for i, o in enumerate(launch.outputs) if o.updates})
         env.update((o.name, x) for o, x in zip(launch.outputs, outs))
     return env
 

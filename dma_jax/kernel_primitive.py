@@ -16,7 +16,7 @@ __all__ = ["kernel_primitive"]
 def kernel_primitive(name: str, reference: Callable, executor_function: str, *, multiple_results: bool,
                      public_name: str) -> Primitive:
     """A primitive ``name`` lowered to ``reference`` and, on CUDA, to
-    ``executor.<executor_function>`` (imported on first use: Triton and jax-triton load
+    ``executor.<executor_function>`` (imported on first use: Triton loads
     only on GPU machines). Differentiating it raises, naming ``public_name``. The caller
     defines its abstract evaluation."""
     p = Primitive(name)

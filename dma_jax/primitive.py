@@ -1,7 +1,7 @@
 """`dma_jax.attention`: DMA as a JAX primitive.
 
 The primitive ``dma_attention`` has an abstract evaluation rule, a CUDA
-lowering through the Triton kernels (jax-triton), a default lowering through
+lowering through the Triton kernels (``triton_call``), a default lowering through
 the jnp reference (CPU and any other platform), a batching rule that folds
 vmapped axes into the batch axis, and differentiation rules that raise: DMA is
 an inference-only forward pass. Both lowerings run per shard when the inputs are
@@ -38,7 +38,7 @@ def _reference_local(q, k, v, causal, config, q_offset):
 
 
 def _triton_local(q, k, v, causal, config, q_offset):
-    # Imported on first use: Triton, torch and jax-triton load only on GPU machines.
+    # Imported on first use: Triton and torch load only on GPU machines.
     from .executor import triton_attention
 
     return triton_attention(q, k, v, causal=causal, config=config, q_offset=q_offset)
@@ -56,7 +56,7 @@ def _lowering(local):
 mlir.register_lowering(dma_attention_p, _lowering(_reference_local))
 # custom_partitioning's lowering needs the devices the call runs on.
 dispatch.prim_requires_devices_during_lowering.add(dma_attention_p)
-# NVIDIA GPUs run the Triton kernels (through jax-triton) instead of the reference.
+# NVIDIA GPUs run the Triton kernels instead of the reference.
 mlir.register_lowering(dma_attention_p, _lowering(_triton_local), platform="cuda")
 
 

@@ -1,4 +1,4 @@
-"""GPU-only: the JAX (jax-triton) and torch front ends on the real kernels."""
+"""GPU-only: the JAX and torch front ends on the real kernels."""
 
 import os
 
@@ -59,7 +59,7 @@ def tolerance(dtype):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_jax_unquantized_baseline_matches_float64(causal):
-    """The benchmark's own bf16 path (Q·Kᵀ on the inputs) through jax-triton is
+    """The benchmark's own bf16 path (Q·Kᵀ on the inputs) through JAX is
     plain attention up to bf16 rounding of P and of the output."""
     from dma_jax.executor import triton_input_attention
 
@@ -94,7 +94,7 @@ def test_torch_path_matches_reference_and_jax(b, lq, lk, hq, hkv, d, causal, dia
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_jax_fp8_pv_matches_reference(causal):
-    """pv="fp8" through jax-triton (seven launches) on inputs whose rows peak at
+    """pv="fp8" through JAX (seven launches) on inputs whose rows peak at
     key 0, so the kernel's running max rounds P like the reference does."""
     q, k, v = inputs(7, 1, 1000, 1000, 8, 2, 128, jnp.float16)
     q = q.at[..., 0].set(jnp.abs(q[..., 0]) + 2)
@@ -108,7 +108,8 @@ def test_jax_fp8_pv_matches_reference(causal):
 
 
 def test_jax_then_torch_in_one_process():
-    """jax-triton blanks TRITON_CACHE_DIR on import; torch launches must still work."""
+    """JAX launches, then torch launches of the same kernels in one process, each
+    compiling through Triton, which keeps its cache directory."""
     q, k, v = inputs(1, 1, 256, 256, 2, 2, 64)
     jax.block_until_ready(jax.jit(dma_jax.attention)(q, k, v))
     assert os.environ.get("TRITON_CACHE_DIR", "unset") != ""
@@ -327,7 +328,7 @@ def test_fuzz_through_jax_and_torch(index):
     (2, (32768, 20000), 1, 32, 8, 128, 32768 + 64, DMAConfig(), "input", jnp.bfloat16)],
     ids=lambda c: f"{c[0]}x{c[1]}+{c[2]}-{c[3]}:{c[4]}-d{c[5]}-{c[7].low}-{c[7].diag_tiles}-{c[8]}-{jnp.dtype(c[9]).name}")
 def test_decode_kernel_matches_full_sequence_reference(case):
-    """The split-KV decode kernel through jax-triton equals reference_attention on each
+    """The split-KV decode kernel through JAX equals reference_attention on each
     row's full sequence (with the cache's fixed smooth-K mean), rel-L2 <= 5e-3; the
     torch entry point gives the same bits."""
     q, cache, k, v = decode_cases.build(case)

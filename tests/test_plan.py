@@ -152,9 +152,10 @@ def test_plan_rejects_extents_beyond_int32():
 class _Kernel:
     """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **meta)`` is logged."""
 
-    def __init__(self, name, log):
+    def __init__(self, name, log, arg_names):
         self.fn = types.SimpleNamespace(__name__=name)
         self.log = log
+        self.arg_names = arg_names
 
     def __getitem__(self, grid):
         def launch(*args, num_warps, num_stages, **meta):
@@ -169,38 +170,60 @@ def _describe(x):
         return tuple(x.shape), str(x.dtype).removeprefix("torch.")
     if hasattr(x, "shape") and np.ndim(x) > 0:
         return tuple(x.shape), np.dtype(x.dtype).name
-    if isinstance(x, np.floating):
-        assert x.dtype == np.float32  # jax-triton reads the scalar's type from numpy's
-        return ("fp32", float(x))
     return ("i32", x) if isinstance(x, int) else ("fp32", x)
 
 
 def _toy_plan(log):
     """Two launches: the second reads the first's output and an input, and updates the
-    first's output in place; typed scalars."""
-    first = Launch(_Kernel("first", log), (3, 1, 1), ("x", Scalar(7, "i32"), Scalar(0.5, "fp32")),
+    first's output in place; typed scalars, one of them an integer 1."""
+    first = Launch(_Kernel("first", log, ["x", "n", "s", "a", "unused", "D", "FLAG"]), (3, 1, 1),
+                   ("x", Scalar(7, "i32"), Scalar(0.5, "fp32")),
                    (Buffer("a", (4, 5), "float32"), Buffer("unused", (1,), "uint8", written=False)),
                    (("D", 64), ("FLAG", True)), num_warps=8, num_stages=2)
-    second = Launch(_Kernel("second", log), (1, 2, 3), ("x", Scalar(1, "i32"), "a"),
+    second = Launch(_Kernel("second", log, ["x", "one", "a_in", "out", "a_out", "MODE"]), (1, 2, 3),
+                    ("x", Scalar(1, "i32"), "a"),
                     (Buffer("out", (2, 3), "bfloat16"), Buffer("a", (4, 5), "float32", updates="a")),
                     (("MODE", "e4m3"),))
     return Plan((first, second), "out")
 
 
+def _fake_triton_call(log, calls):
+    """Stands in for ``dma_jax.triton_call.triton_call``: logs the launch as the torch
+    stand-in kernel does, its positional arguments rebuilt in kernel order from the
+    signature (the outputs are the last of them); ``calls`` gets the other parameters."""
+
+    def call(*arrays, kernel, signature, constexprs, scalars, out_shape, grid, num_warps, num_stages, gluon=False,
+             divisible=(), aliases=None):
+        buffers = [*arrays, *out_shape]
+        args, meta, used = [], dict(constexprs), 0
+        for name in kernel.arg_names:
+            if used == len(buffers):
+                break
+            kind = signature[name]
+            if kind.startswith("*"):
+                args.append(_describe(buffers[used]))
+                used += 1
+            elif kind == "constexpr":  # a specialised integer among the positional arguments
+                args.append(("i32", meta.pop(name)))
+            else:
+                args.append((kind, scalars[name]))
+        log.append((kernel.fn.__name__, tuple(grid), args, meta, num_warps, num_stages))
+        calls.append({"gluon": gluon, "divisible": divisible, "aliases": aliases})
+        return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
+
+    return call
+
+
 def test_executors_run_the_plan_as_written(monkeypatch):
-    torch_log, jax_log, aliases = [], [], []
+    from dma_jax import triton_call
+
+    torch_log, jax_log, calls = [], [], []
     toy = _toy_plan(torch_log)
     env = torch_executor.run(toy.launches, {"x": torch.zeros((6,), dtype=torch.float16)})
     out = env[toy.result]
     assert out.shape == (2, 3) and out.dtype == torch.bfloat16
 
-    def fake_call(*args, kernel, out_shape, grid, num_warps, num_stages=3, input_output_aliases=None, **meta):
-        jax_log.append((kernel.fn.__name__, tuple(grid), [_describe(a) for a in [*args, *out_shape]], meta,
-                        num_warps, num_stages))
-        aliases.append(input_output_aliases)
-        return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
-
-    monkeypatch.setattr(executor, "import_jax_triton", lambda: types.SimpleNamespace(triton_call=fake_call))
+    monkeypatch.setattr(triton_call, "triton_call", _fake_triton_call(jax_log, calls))
     toy = _toy_plan(jax_log)
     env = executor.run(toy.launches, {"x": jnp.zeros((6,), jnp.float16)})
     assert env["out"].shape == (2, 3) and env["out"].dtype == jnp.bfloat16
@@ -208,39 +231,52 @@ def test_executors_run_the_plan_as_written(monkeypatch):
     assert torch_log[0] == ("first", (3, 1, 1), [((6,), "float16"), ("i32", 7), ("fp32", 0.5), ((4, 5), "float32"),
                                                  ((1,), "uint8")], {"D": 64, "FLAG": True}, 8, 2)
     assert torch_log[1][2][:3] == [((6,), "float16"), ("i32", 1), ((4, 5), "float32")]
-    # The in-place output: jax-triton aliases array argument 1 ("a") to output 1.
-    assert aliases == [{}, {1: 1}]
+    # The in-place output: array argument 1 ("a") is aliased to output 1.
+    assert [c["aliases"] for c in calls] == [{}, {1: 1}]
+
+
+def test_jax_launches_specialise_scalars_as_tritons_launcher():
+    """The JAX executor compiles a launch as Triton's launcher (the torch executor's)
+    would for the same arguments: integers equal to 1 as constants, multiples of 16 as
+    such, floats as arguments (``native_specialize_impl`` is Triton's own rule)."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import native_specialize_impl
+
+    from triton_kernels.aot import launcher_specialisation
+
+    values = [0, 1, 2, 15, 16, 48, 1000, 1024, -1, -16, 2**31 - 16, 2**31 - 1, 1.0, 0.5, 16.0]
+    names = [f"a{i}" for i in range(len(values))]
+    args = tuple(Scalar(v, "fp32" if isinstance(v, float) else "i32") for v in values)
+    ones, divisible = launcher_specialisation(Launch(_Kernel("k", [], names), (1, 1, 1), args, (), ()))
+    for name, v in zip(names, values):
+        kind, attr = native_specialize_impl(CUDABackend, v, False, True, True)
+        assert (name in ones) == (kind == "constexpr"), (v, kind)
+        assert (name in divisible) == (attr == "D"), (v, attr)
+    assert ones == {"a1": 1}
 
 
 def test_torch_executor_updates_in_place():
     """An output that ``updates`` an input is that very tensor, not a new one."""
     log = []
-    launch = Launch(_Kernel("k", log), (1, 1, 1), ("a",), (Buffer("a", (3,), "float32", updates="a"),), ())
+    launch = Launch(_Kernel("k", log, ["a"]), (1, 1, 1), ("a",), (Buffer("a", (3,), "float32", updates="a"),), ())
     a = torch.zeros(3)
     env = torch_executor.run((launch,), {"a": a})
     assert env["a"] is a
 
 
-def test_gluon_launches_go_through_gluon_call(monkeypatch):
-    """The JAX executor hands Gluon launches (warp-specialised, more warps than launched)
-    to ``gluon_call``, not jax-triton."""
-    from dma_jax import gluon_call
+def test_gluon_launches_go_through_the_same_call(monkeypatch):
+    """The JAX executor stages Gluon launches (warp-specialised, more warps than
+    launched) through the same ``triton_call``, marked as Gluon, in-place outputs
+    aliased as for Triton launches."""
+    from dma_jax import triton_call
 
-    calls = []
-
-    def fake_gluon(*args, kernel, out_shape, grid, num_warps, **meta):
-        calls.append((kernel.fn.__name__, grid, num_warps, meta))
-        return [jnp.zeros(o.shape, o.dtype) for o in out_shape]
-
-    monkeypatch.setattr(gluon_call, "gluon_call", fake_gluon)
-    monkeypatch.setattr(executor, "import_jax_triton", lambda: types.SimpleNamespace(triton_call=None))
-    log = []
-    launch = Launch(_Kernel("g", log), (2, 1, 1), ("x",), (Buffer("out", (2,), "float32"),), (("S", 3),),
-                    num_warps=4, gluon=True)
+    log, calls = [], []
+    monkeypatch.setattr(triton_call, "triton_call", _fake_triton_call(log, calls))
+    launch = Launch(_Kernel("g", [], ["x", "out", "S"]), (2, 1, 1), ("x",),
+                    (Buffer("x", (2,), "float32", updates="x"),), (("S", 3),), num_warps=4, gluon=True)
     executor.run((launch,), {"x": jnp.zeros((2,), jnp.float32)})
-    assert calls == [("g", (2, 1, 1), 4, {"S": 3})]
-    with pytest.raises(ValueError, match="Gluon launch cannot update"):
-        Launch(_Kernel("g", log), (2, 1, 1), ("x",), (Buffer("x", (2,), "float32", updates="x"),), (), gluon=True)
+    assert log == [("g", (2, 1, 1), [((2,), "float32"), ((2,), "float32")], {"S": 3}, 4, 3)]
+    assert calls == [{"gluon": True, "divisible": (), "aliases": {0: 0}}]
 
 
 def test_cache_append_plan_updates_the_cache_in_place():

@@ -369,8 +369,8 @@ def test_mul_flushed_against_numpy(f):
     ``ftz_multiplier(f)``, else a multiply and ``add.ftz``) equals numpy's IEEE product
     with subnormal results replaced by zeros of their sign, bit for bit: subnormal and
     normal x near 2^-126, signed zeros, Inf and NaN. The integer 1 arrives as a
-    constant, not a float argument (Triton specialises it; jax-triton passes K's
-    fold of 1.0 that way)."""
+    constant, not a float argument (Triton specialises it; jax-triton 0.3.1 passed
+    K's fold of 1.0 that way)."""
     rng = np.random.default_rng(12)
     tiny = np.float32(2.0**-126) * rng.uniform(-4, 4, 2048).astype(np.float32)  # both sides of 2^-126
     wide = rng.standard_normal(2048).astype(np.float32) * np.exp2(rng.integers(-140, 120, 2048)).astype(np.float32)
@@ -405,7 +405,7 @@ for reg in sorted(set(re.findall(r"mul[.]ftz[.]f32 %r[0-9]+, %r[0-9]+, (%r[0-9]+
 
 @pytest.mark.skipif(not TRITON_39, reason="AOT compilation for sm_90 needs triton >= 3.9 (the device image has 3.6)")
 def test_fold_of_integer_one_multiplies_by_float_one():
-    """Without a GPU: jax-triton passes K's fold of 1.0 as the integer constant 1. The
+    """Without a GPU: jax-triton 0.3.1 passed K's fold of 1.0 as the integer constant 1. The
     ``mul.ftz`` of ``mx.mul_flushed`` must get 1.0f (bits 1065353216), not the bits of
     the integer 1 (the float 1.4e-45, which zeroed K's copies on the H200)."""
     done = subprocess.run([sys.executable, "-c", FOLD_ONE_PTX], cwd=pathlib.Path(__file__).parents[1],

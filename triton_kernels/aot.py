@@ -1,7 +1,8 @@
-"""Compiling a planned launch ahead of time, without a GPU: for the static checks of
-what the compiler emits (MMA kinds in PTX, registers, spills, shared memory). Needs a
-Triton that compiles for the target offline (3.9 on the CPU machine). Imports Triton
-only (and runs the ptxas it ships)."""
+"""Compiling planned launches with Triton's own pipeline (``triton.compile``) for a
+given GPU: the JAX executor's kernels (``dma_jax.triton_call``), and ahead of time
+without a GPU for the static checks of what the compiler emits (MMA kinds in PTX,
+registers, spills, shared memory; offline compilation needs Triton 3.9 on the CPU
+machine). Imports Triton only (and runs the ptxas it ships)."""
 
 from __future__ import annotations
 
@@ -17,39 +18,63 @@ from triton.compiler import ASTSource
 
 from .plan import Launch, Plan, Scalar
 
-__all__ = ["block_scaled_mmas", "compile_kernel", "compile_launch", "ptxas_usage", "signature", "wgmma_kinds"]
+__all__ = ["block_scaled_mmas", "compile_kernel", "compile_launch", "compile_source", "launcher_specialisation",
+           "ptxas_usage", "signature", "wgmma_kinds"]
 
 _POINTER_TYPES = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32", "uint8": "*u8", "int32": "*i32"}
 
 
-def signature(plan: Plan, launch: Launch, inputs: dict[str, str],
-              specialised: dict[str, Any] | None = None) -> dict[str, str]:
-    """Triton's signature of ``launch``, one of ``plan``'s: pointer types of its buffers
-    (``inputs``: the call's input names -> dtype names; the plan knows its outputs'),
-    scalar types, and "constexpr" for the constexprs and the scalar arguments in
-    ``specialised``."""
-    dtypes = {**inputs, **{o.name: o.dtype for step in plan.launches for o in step.outputs}}
+def signature(launch: Launch, dtypes: dict[str, str], specialised: dict[str, Any] | None = None) -> dict[str, str]:
+    """Triton's signature of ``launch``: pointer types of its buffers (``dtypes``: buffer
+    name -> dtype name, for its inputs and outputs), scalar types, and "constexpr" for
+    the constexprs and the scalar arguments in ``specialised``."""
     kinds = [a.dtype if isinstance(a, Scalar) else _POINTER_TYPES[dtypes[a]] for a in launch.args]
     kinds += [_POINTER_TYPES[o.dtype] for o in launch.outputs]
-    names = launch.kernel.arg_names
-    sig = dict(zip(names, kinds))
+    sig = dict(zip(launch.kernel.arg_names, kinds))
     sig.update((name, "constexpr") for name in [*launch.meta, *(specialised or {})])
     return sig
+
+
+def launcher_specialisation(launch: Launch) -> tuple[dict[str, int], tuple[str, ...]]:
+    """What Triton's launcher makes of ``launch``'s scalar arguments, as it does on every
+    call (``native_specialize_impl``): an integer 1 becomes the constant 1, and integers
+    that are multiples of 16 are compiled as known to be; floats stay arguments.
+    Returns (the constants by name, the names of the multiples of 16)."""
+    names = launch.kernel.arg_names
+    ints = {n: int(a.value) for n, a in zip(names, launch.args) if isinstance(a, Scalar) and a.dtype == "i32"}
+    return {n: 1 for n, v in ints.items() if v == 1}, tuple(n for n, v in ints.items() if v != 1 and v % 16 == 0)
+
+
+def compile_source(kernel: Any, sig: dict[str, str], constexprs: dict[str, Any], arch: int, *, num_warps: int,
+                   num_stages: int, gluon: bool = False, divisible: tuple[str, ...] = ()) -> Any:
+    """``kernel`` (a ``triton.jit`` function, or a ``gluon.jit`` one with ``gluon``)
+    compiled for sm_``arch`` with signature ``sig`` (``signature``) and ``constexprs``.
+    Every pointer is taken as 16-byte aligned, as the frameworks allocate them, and so
+    are the integer arguments named in ``divisible`` (multiples of 16). A Gluon kernel
+    lays out its own pipeline, so it takes no ``num_stages``."""
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if sig.get(n, "").startswith("*") or n in divisible}
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(kernel, sig, constexprs, attrs)
+        options = dict(num_warps=num_warps)
+    else:
+        src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def compile_kernel(plan: Plan, launch: Launch, inputs: dict[str, str], arch: int,
                    specialised: dict[str, Any] | None = None) -> Any:
     """``launch``, one of ``plan``'s, compiled for sm_``arch`` (Triton's compiled
-    kernel: ``asm`` with ``ptx`` and ``cubin``, ``metadata`` with ``shared``). Every
-    pointer is taken as 16-byte aligned, as the frameworks allocate them;
-    ``specialised`` fixes scalar arguments to constants (jax-triton and torch pass an
-    integer 1 that way)."""
-    sig = signature(plan, launch, inputs, specialised)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(launch.kernel.arg_names)
-             if sig[n].startswith("*")}
-    src = ASTSource(fn=launch.kernel, signature=sig, constexprs={**launch.meta, **(specialised or {})}, attrs=attrs)
-    options = dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    kernel: ``asm`` with ``ptx`` and ``cubin``, ``metadata`` with ``shared``);
+    ``specialised`` fixes scalar arguments to constants (Triton specialises an integer 1
+    that way)."""
+    dtypes = {**inputs, **{o.name: o.dtype for step in plan.launches for o in step.outputs}}
+    return compile_source(launch.kernel, signature(launch, dtypes, specialised),
+                          {**launch.meta, **(specialised or {})}, arch, num_warps=launch.num_warps,
+                          num_stages=launch.num_stages, gluon=launch.gluon)
 
 
 def compile_launch(plan: Plan, launch: Launch, inputs: dict[str, str], arch: int,

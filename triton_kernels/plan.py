@@ -78,12 +78,6 @@ class Launch:
     num_stages: int = 3
     gluon: bool = False
 
-    def __post_init__(self) -> None:
-        if self.gluon and any(o.updates for o in self.outputs):
-            # JAX launches Gluon kernels through gluon_call, which has no input-output aliasing.
-            raise ValueError(f"a Gluon launch cannot update an input in place; outputs "
-                             f"{[o.name for o in self.outputs if o.updates]} do")
-
     @property
     def meta(self) -> dict[str, Any]:
         return dict(self.constexprs)
