@@ -143,7 +143,7 @@ class DecodeConfig:
     next to its keys; at most ``max_splits`` splits, which one program per kv head and
     batch row combines in turn). ``lift_values``: FP8 values decoded by bit moves
     (``decode._e4m3_words``) instead of the conversion instructions where P·V runs in
-    bf16; the same numbers either way, off until it is timed against the conversions."""
+    bf16; the same numbers either way, and no faster on an H200 (docs/performance.md)."""
 
     block_n: int = 128
     num_warps: int = 4
