@@ -60,6 +60,16 @@ def test_b200_check_refuses_other_gpus():
         assert done.returncode != 0 and here in done.stderr
 
 
+def test_launch_cost_needs_a_gpu():
+    """benchmarks/launch_cost.py times GPU launches; without a GPU it stops and says so."""
+    import jax
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("this machine has a GPU: the script runs (python benchmarks/launch_cost.py)")
+    done = run_python(str(ROOT / "benchmarks" / "launch_cost.py"))
+    assert done.returncode != 0 and "it needs an NVIDIA GPU" in done.stderr
+
+
 @pytest.mark.slow
 def test_sm100_static_report(tmp_path):
     """benchmarks/sm100_static.py compiles a DMA call for sm_100 on the CPU and reports
