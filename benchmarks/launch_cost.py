@@ -6,14 +6,19 @@ their order fixed), microseconds per launch, for
 * a Triton kernel through ``dma_jax``'s launcher (``dma_jax.triton_call``: jaxlib's FFI
   custom call ``triton_kernel_call_ffi``), the path of every DMA launch,
 * the same kernel through jax-triton's ``triton_call`` (jaxlib's legacy custom call
-  ``triton_kernel_call``), where jax-triton is installed.
+  ``triton_kernel_call``), where jax-triton is installed;
+
+and what the arguments of a call cost: one small program called with ``--buffers`` N
+arrays, read-only (as a model's weights) or donated and returned (as its KV cache),
+microseconds per call.
 
 XLA records runs of launches into command buffers (CUDA graphs) where it can;
 ``--no-command-buffers`` turns that off, to show what a launch costs without them. The
 median of ``--rounds`` rounds of ``--calls`` calls. NVIDIA GPUs only. Prints a table and
 writes ``results/launch_cost_<gpu>.json``.
 
-    python benchmarks/launch_cost.py [--chain 100] [--calls 30] [--rounds 5] [--no-command-buffers]
+    python benchmarks/launch_cost.py [--chain 100] [--buffers 2,64,256,512] [--calls 30] [--rounds 5]
+        [--no-command-buffers]
 """
 
 from __future__ import annotations
@@ -66,6 +71,38 @@ def per_launch_us(step, chain: int, calls: int, rounds: int) -> float:
     return statistics.median(times)
 
 
+def per_call_us(buffers: int, donate: bool, calls: int, rounds: int) -> float:
+    """Microseconds per call of a one-fusion program given ``buffers`` small arrays:
+    read only, or donated and returned (updated in place)."""
+    import jax
+    import jax.numpy as jnp
+
+    if donate:
+        run = jax.jit(lambda xs: (xs[0] + 1, *xs[1:]), donate_argnums=0)
+    else:
+        run = jax.jit(lambda xs, y: y + xs[0])
+    xs = tuple(jnp.zeros((16,), jnp.float32) for _ in range(buffers))
+    y = jnp.zeros((16,), jnp.float32)
+
+    def call():
+        nonlocal xs, y
+        if donate:
+            xs = run(xs)
+        else:
+            y = run(xs, y)
+
+    call()
+    jax.block_until_ready((xs, y))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        jax.block_until_ready((xs, y))
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
 def launches() -> dict:
     """The launches to time, by name (jax-triton's only where it is installed)."""
     import jax
@@ -97,6 +134,7 @@ def launches() -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chain", type=int, default=100, help="dependent launches in one program")
+    p.add_argument("--buffers", default="2,64,256,512", help="argument counts of the second table")
     p.add_argument("--calls", type=int, default=30, help="programs per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-command-buffers", action="store_true", help="XLA without command buffers (CUDA graphs)")
@@ -109,6 +147,9 @@ def main() -> None:
     if jax.default_backend() != "gpu":
         sys.exit("launch_cost.py times GPU launches: it needs an NVIDIA GPU")
     rows = {name: per_launch_us(step, args.chain, args.calls, args.rounds) for name, step in launches().items()}
+    counts = [int(n) for n in args.buffers.split(",")]
+    arguments = {f"{n} {kind}": per_call_us(n, kind == "donated", args.calls, args.rounds)
+                 for kind in ("read-only", "donated") for n in counts}
     device = jax.devices()[0].device_kind
     buffers = "off" if args.no_command_buffers else "XLA's default"
     print(f"{device}, JAX {jax.__version__}, command buffers {buffers}; {args.chain} dependent launches per "
@@ -117,6 +158,10 @@ def main() -> None:
     print("|---|---:|")
     for name, us in rows.items():
         print(f"| {name} | {us:.2f} |")
+    print("\n| arrays passed to one small program | µs per call |")
+    print("|---|---:|")
+    for name, us in arguments.items():
+        print(f"| {name} | {us:.1f} |")
     from device_name import gpu_tag
 
     os.makedirs(args.out, exist_ok=True)
@@ -124,7 +169,7 @@ def main() -> None:
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "device": device, "jax": jax.__version__,
                    "command_buffers": not args.no_command_buffers, "chain": args.chain, "calls": args.calls,
-                   "rounds": args.rounds, "us_per_launch": rows}, fh, indent=2)
+                   "rounds": args.rounds, "us_per_launch": rows, "us_per_call_by_arguments": arguments}, fh, indent=2)
     print(f"wrote {path}")
 
 

@@ -70,6 +70,15 @@ def test_launch_cost_needs_a_gpu():
     assert done.returncode != 0 and "it needs an NVIDIA GPU" in done.stderr
 
 
+def test_launch_cost_times_calls_by_their_arguments():
+    """launch_cost.py's second table runs on any backend: calls with read-only and with
+    donated arguments are timed."""
+    done = run_python("-c", "import launch_cost, json; print(json.dumps("
+                      "[launch_cost.per_call_us(n, d, 3, 2) for n in (2, 8) for d in (False, True)]))")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert all(us > 0 for us in json.loads(done.stdout))
+
+
 @pytest.mark.slow
 def test_sm100_static_report(tmp_path):
     """benchmarks/sm100_static.py compiles a DMA call for sm_100 on the CPU and reports
