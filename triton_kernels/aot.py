@@ -49,9 +49,9 @@ def compile_source(kernel: Any, sig: dict[str, str], constexprs: dict[str, Any],
                    num_stages: int, gluon: bool = False, divisible: tuple[str, ...] = ()) -> Any:
     """``kernel`` (a ``triton.jit`` function, or a ``gluon.jit`` one with ``gluon``)
     compiled for sm_``arch`` with signature ``sig`` (``signature``) and ``constexprs``.
-    Every pointer is taken as 16-byte aligned, as the frameworks allocate them, and so
-    are the integer arguments named in ``divisible`` (multiples of 16). A Gluon kernel
-    lays out its own pipeline, so it takes no ``num_stages``."""
+    Every pointer is taken as 16-byte aligned (the frameworks allocate them so) and the
+    integer arguments named in ``divisible`` as multiples of 16. A Gluon kernel lays out
+    its own pipeline, so it takes no ``num_stages``."""
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
              if sig.get(n, "").startswith("*") or n in divisible}
     if gluon:
