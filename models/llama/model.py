@@ -8,6 +8,7 @@ Attention is chosen by an :class:`AttentionSpec`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -48,29 +49,35 @@ class KVCache(NamedTuple):
 
 class LowBitCache(NamedTuple):
     """DMA decode's cache (``AttentionSpec(decode="dma")``): one
-    :class:`dma_jax.LowBitKVCache` per layer, keys in DMA's formats."""
+    :class:`dma_jax.LowBitKVCache` per layer, keys in DMA's formats, and each row's
+    number of filled positions ``[B]``. Every layer holds the same positions, so the
+    layers are kept without a length of their own (``length=None``; ``layer(i)`` gives
+    layer i with it): a decode step then passes, donates and advances one length
+    instead of one per layer."""
 
     layers: tuple[dma_jax.LowBitKVCache, ...]
+    length: jax.Array  # int32 [B]
 
     @classmethod
     def empty(cls, config: LlamaConfig, spec: AttentionSpec, batch: int, max_len: int,
               dtype=jnp.float32) -> "LowBitCache":
         cfg = spec.dma_config(config.head_dim**-0.5)
-        return cls(tuple(dma_jax.LowBitKVCache.empty(batch, max_len, config.num_kv_heads, config.head_dim,
-                                                     dtype=dtype, config=cfg, v_format=spec.kv_cache)
-                         for _ in range(config.num_layers)))
+        layers = tuple(dma_jax.LowBitKVCache.empty(batch, max_len, config.num_kv_heads, config.head_dim,
+                                                   dtype=dtype, config=cfg, v_format=spec.kv_cache)
+                       for _ in range(config.num_layers))
+        return cls(tuple(dataclasses.replace(x, length=None) for x in layers), layers[0].length)
 
-    @property
-    def length(self) -> jax.Array:
-        return self.layers[0].length
+    def layer(self, i: int) -> dma_jax.LowBitKVCache:
+        """Layer ``i``'s cache, with the shared length."""
+        return dataclasses.replace(self.layers[i], length=self.length)
 
     @property
     def max_len(self) -> int:
         return self.layers[0].capacity
 
     def nbytes(self) -> int:
-        """Bytes of the layers' arrays."""
-        return sum(layer.nbytes() for layer in self.layers)
+        """Bytes of the layers' arrays and the length."""
+        return sum(layer.nbytes() for layer in self.layers) + self.length.nbytes
 
 
 def new_cache(config: LlamaConfig, spec: AttentionSpec, batch: int, max_len: int,
@@ -225,8 +232,8 @@ class Llama(nnx.Module):
         if t > cache.max_len:
             raise ValueError(f"prompt of {t} tokens does not fit a cache of {cache.max_len}")
         if isinstance(cache, LowBitCache):
-            return logits, LowBitCache(tuple(layer.write(k, v, lengths)
-                                             for layer, k, v in zip(cache.layers, new_k, new_v)))
+            layers = (cache.layer(i).write(k, v, lengths) for i, (k, v) in enumerate(zip(new_k, new_v)))
+            return logits, LowBitCache(tuple(dataclasses.replace(x, length=None) for x in layers), lengths)
         k = tuple(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), 0, axis=1) for c, x in zip(cache.k, new_k))
         v = tuple(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), 0, axis=1) for c, x in zip(cache.v, new_v))
         return logits, KVCache(k, v, lengths)
@@ -236,7 +243,7 @@ class Llama(nnx.Module):
         position ``cache.length``."""
         pos = cache.length
         if isinstance(cache, LowBitCache):
-            layers = list(cache.layers)
+            layers = [cache.layer(i) for i in range(len(cache.layers))]
 
             def append(i, k, v):
                 layers[i] = layers[i].append(k, v)
@@ -245,7 +252,7 @@ class Llama(nnx.Module):
                 return dma_jax.decode_attention(q.astype(layers[i].dtype), layers[i]).astype(q.dtype)
 
             logits = self.run_layers(tokens, pos[:, None], attend_low_bit, append)
-            return logits, LowBitCache(tuple(layers))
+            return logits, LowBitCache(tuple(dataclasses.replace(x, length=None) for x in layers), layers[0].length)
         rows = jnp.arange(tokens.shape[0])
         scale = self.config.head_dim**-0.5
         ks, vs = list(cache.k), list(cache.v)
