@@ -11,10 +11,11 @@ step time of this small model moves by up to a third), and count the
 top-level operations of the step's optimized HLO by kind: fusions, custom calls
 (Triton kernels, cuDNN), scatters and the rest. Each is at least one kernel launch,
 so the counts show whether a step is bound by its kernels or by launching them.
-With ``--profile`` (GPUs) the same steps also run under JAX's profiler: the kernels
-the GPU ran per step, the time it was busy running them (against the step's time, how
-far the step is bound by launching rather than running kernels) and the kernels that
-took longest. Prints a table and writes ``results/decode_step_<gpu>.json``.
+With ``--profile`` the same steps also run under JAX's profiler: the kernels the GPU
+ran per step, the time it was busy running them (against the step's time, how far the
+step is bound by launching rather than running kernels) and the kernels that took
+longest; and the host's longest activities per step (dispatch, argument handling,
+XLA's thunks), which show where a step that leaves the GPU idle spends its time. Prints a table and writes ``results/decode_step_<gpu>.json``.
 
     python benchmarks/decode_step.py [--prompt 2048] [--batch 1] [--steps 32] [--rounds 5]
         [--attention cudnn,dma,dma+dma,dma+dma-fp8v] [--checkpoint PATH | --random-weights]
@@ -90,17 +91,36 @@ def gpu_kernels(trace_dir: str) -> list[tuple[str, int, int]]:
     return found
 
 
+def host_events(trace_dir: str) -> list[tuple[str, int, int]]:
+    """(name, start ns, end ns) of every activity the host's threads recorded in a
+    profiler trace (dispatch, argument handling, XLA's thunks, launches), without the
+    Python frames (named ``$file:line function``; the profiler's own among them)."""
+    found = []
+    for path in pathlib.Path(trace_dir).rglob("*.xplane.pb"):
+        for plane in jax.profiler.ProfileData.from_file(str(path)).planes:
+            if plane.name.startswith("/host:CPU"):
+                found += [(ev.name, ev.start_ns, ev.end_ns) for line in plane.lines for ev in line.events
+                          if not ev.name.startswith("$")]
+    return found
+
+
+def top_activities(events: list[tuple[str, int, int]], steps: int, top: int = 8) -> list[dict]:
+    """The ``top`` event names by total time: microseconds and occurrences per step.
+    Events nest (a call contains its argument handling), so the times overlap."""
+    total: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for name, s, e in events:
+        total[name] += e - s
+        count[name] += 1
+    return [{"name": n, "us_per_step": t / steps / 1e3, "per_step": count[n] / steps} for n, t in total.most_common(top)]
+
+
 def kernel_report(kernels: list[tuple[str, int, int]], steps: int, top: int = 6) -> dict:
     """Per step: kernels run, GPU busy time, and the ``top`` kernels by total time."""
-    by_name: collections.Counter = collections.Counter()
-    count: collections.Counter = collections.Counter()
-    for name, s, e in kernels:
-        by_name[name] += e - s
-        count[name] += 1
     return {"kernels_per_step": len(kernels) / steps,
             "busy_ms": busy_ns([(s, e) for _, s, e in kernels]) / steps / 1e6,
-            "top": [{"kernel": n, "us_per_step": t / steps / 1e3, "per_step": count[n] / steps}
-                    for n, t in by_name.most_common(top)]}
+            "top": [{"kernel": t["name"], "us_per_step": t["us_per_step"], "per_step": t["per_step"]}
+                    for t in top_activities(kernels, steps, top)]}
 
 
 class Stepper:
@@ -147,6 +167,7 @@ def measure(steppers: dict[str, Stepper], layers: int, steps: int, rounds: int, 
                 with jax.profiler.trace(trace):
                     stepper.run(steps)
                 kernels = gpu_kernels(trace)
+                rows[name]["host"] = top_activities(host_events(trace), steps)
             rows[name]["profile"] = kernel_report(kernels, steps) if kernels else None
     return rows
 
@@ -199,6 +220,11 @@ def main() -> None:
             top = ", ".join(f"{t['kernel'][:40]} {t['us_per_step']:.0f}" for t in prof["top"][:4])
             print(f"| {name} | {prof['kernels_per_step']:.0f} | {prof['busy_ms']:.2f} | "
                   f"{prof['busy_ms'] / r['step_ms']:.2f} | {top} |")
+        print("\n| attention | the host's longest activities (µs per step; nested ones overlap) |")
+        print("|---|---|")
+        for name, r in rows.items():
+            acts = ", ".join(f"{a['name'][:48]} {a['us_per_step']:.0f}" for a in r["host"][:6])
+            print(f"| {name} | {acts} |")
     os.makedirs(args.out, exist_ok=True)
     tag = gpu_tag(device) if jax.default_backend() == "gpu" else "cpu"
     path = os.path.join(args.out, f"decode_step_{tag}.json")

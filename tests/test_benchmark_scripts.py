@@ -184,8 +184,8 @@ def test_decode_step_random_model_has_smollm2_shape():
 @pytest.mark.slow
 def test_decode_step_runs_on_cpu(tmp_path):
     """benchmarks/decode_step.py runs on the CPU and writes one row per attention
-    choice whose counts add up and whose step time is the median of its rounds; the
-    low-bit cache's step runs more operations."""
+    choice whose counts add up, whose step time is the median of its rounds and whose
+    profile names the host's activities; the low-bit cache's step runs more operations."""
     done = run_python(str(ROOT / "benchmarks" / "decode_step.py"), "--prompt", "16", "--steps", "2", "--rounds", "3",
                       "--attention", "exact,dma+dma", "--profile", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -195,4 +195,6 @@ def test_decode_step_runs_on_cpu(tmp_path):
         assert row["step_ms"] > 0 and row["ops"] == sum(row["by_kind"].values()) > 0
         assert len(row["step_ms_rounds"]) == 3 and row["step_ms"] == sorted(row["step_ms_rounds"])[1]
         assert row["profile"] is None  # the CPU's trace has no GPU streams
+        # The host's activities: XLA's and PJRT's, not the profiler's Python frames.
+        assert row["host"] and all(a["us_per_step"] > 0 and not a["name"].startswith("$") for a in row["host"])
     assert rows["dma+dma"]["ops"] > rows["exact"]["ops"]
