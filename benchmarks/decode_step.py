@@ -15,7 +15,8 @@ With ``--profile`` the same steps also run under JAX's profiler: the kernels the
 ran per step, the time it was busy running them (against the step's time, how far the
 step is bound by launching rather than running kernels) and the kernels that took
 longest; and the host's longest activities per step (dispatch, argument handling,
-XLA's thunks), which show where a step that leaves the GPU idle spends its time. Prints a table and writes ``results/decode_step_<gpu>.json``.
+XLA's thunks), which show where a step that leaves the GPU idle spends its time.
+Prints a table and writes ``results/decode_step_<gpu>.json``.
 
     python benchmarks/decode_step.py [--prompt 2048] [--batch 1] [--steps 32] [--rounds 5]
         [--attention cudnn,dma,dma+dma,dma+dma-fp8v] [--checkpoint PATH | --random-weights]
@@ -112,7 +113,8 @@ def top_activities(events: list[tuple[str, int, int]], steps: int, top: int = 8)
     for name, s, e in events:
         total[name] += e - s
         count[name] += 1
-    return [{"name": n, "us_per_step": t / steps / 1e3, "per_step": count[n] / steps} for n, t in total.most_common(top)]
+    return [{"name": n, "us_per_step": t / steps / 1e3, "per_step": count[n] / steps}
+            for n, t in total.most_common(top)]
 
 
 def kernel_report(kernels: list[tuple[str, int, int]], steps: int, top: int = 6) -> dict:
