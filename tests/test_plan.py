@@ -255,6 +255,16 @@ def test_jax_launches_specialise_scalars_as_tritons_launcher():
     assert ones == {"a1": 1}
 
 
+def test_jax_launch_refuses_integers_outside_int32():
+    """A scalar the kernel takes as i32 must fit it: the JAX launch says which one does not."""
+    from dma_jax.triton_call import triton_call
+
+    with pytest.raises(ValueError, match=r"argument n of k must fit int32; got 2147483648"):
+        triton_call(jnp.zeros((2,), jnp.float32), kernel=_Kernel("k", [], ["x", "n"]),
+                    signature={"x": "*fp32", "n": "i32"}, constexprs={}, scalars={"n": 2**31}, out_shape=[],
+                    grid=(1, 1, 1), num_warps=4, num_stages=3)
+
+
 def test_torch_executor_updates_in_place():
     """An output that ``updates`` an input is that very tensor, not a new one."""
     log = []
