@@ -98,10 +98,11 @@ def test_batch_of_prompts_of_different_lengths_decodes_each_row_as_alone(tmp_pat
 
 @pytest.mark.parametrize("kv_cache", ["input", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_dma_decode_equals_full_forward_with_reference_last_row(tmp_path, kv_cache):
-    """Decode over the low-bit cache (rows of different lengths) gives the logits of a
-    full forward whose newest row attends through reference_attention on the whole
-    sequence with the cache's fixed smooth-K mean (and V rounded to E4M3 per token for
-    kv_cache="fp8"), every earlier row through exact attention (the prefill's)."""
+    """Decode over the low-bit cache (rows of different lengths, one length shared by the
+    layers) gives the logits of a full forward whose newest row attends through
+    reference_attention on the whole sequence with the cache's fixed smooth-K mean (and
+    V rounded to E4M3 per token for kv_cache="fp8"), every earlier row through exact
+    attention (the prefill's)."""
     _, path = tiny_hf(tmp_path, head_dim=64)
     model = load_hf(path)
     rng = np.random.default_rng(5)
@@ -115,6 +116,13 @@ def test_dma_decode_equals_full_forward_with_reference_last_row(tmp_path, kv_cac
     step = tokens[jnp.arange(2), jnp.asarray(lengths)][:, None]
     logits, cache = model.decode(step, cache, spec)
     assert cache.length.tolist() == [151, 132]
+    # One length for all layers: each layer reads that array, and the pytree (what a
+    # jitted step passes and donates) carries it once, also through jax.jit.
+    per_layer = len(jax.tree.leaves(cache.layers[0]))
+    for c in (cache, jax.jit(lambda c: c)(cache)):
+        assert all(layer.length is c.length for layer in c.layers)
+        assert len(jax.tree.leaves(c)) == len(c.layers) * (per_layer - 1) + 1
+        assert c.length.tolist() == [151, 132]
     for r, n in enumerate(lengths):
         row = tokens[r:r + 1, :n + 1].at[0, n].set(step[r, 0])
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,37 +47,49 @@ class KVCache(NamedTuple):
         return sum(x.nbytes for x in (*self.k, *self.v))
 
 
-class LowBitCache(NamedTuple):
+@jax.tree_util.register_pytree_node_class
+class LowBitCache:
     """DMA decode's cache (``AttentionSpec(decode="dma")``): one
     :class:`dma_jax.LowBitKVCache` per layer, keys in DMA's formats, and each row's
-    number of filled positions ``[B]``. Every layer holds the same positions, so the
-    layers are kept without a length of their own (``length=None``; ``layer(i)`` gives
-    layer i with it): a decode step then passes, donates and advances one length
-    instead of one per layer."""
+    number of filled positions ``length [B]``. Every layer holds the same positions, so
+    the layers' ``length`` is this one array, and as a pytree the cache carries it once:
+    a decode step passes, donates and advances one length instead of one per layer."""
 
-    layers: tuple[dma_jax.LowBitKVCache, ...]
-    length: jax.Array  # int32 [B]
+    def __init__(self, layers: Sequence[dma_jax.LowBitKVCache], length: jax.Array):
+        self.layers = tuple(dataclasses.replace(x, length=length) for x in layers)
+        self.length = length
+
+    def tree_flatten(self):
+        # Each layer's leaves without its length (the shared one, found by identity).
+        parts, aux = [], []
+        for layer in self.layers:
+            leaves, treedef = jax.tree.flatten(layer)
+            at = next(i for i, x in enumerate(leaves) if x is self.length)
+            parts.append(tuple(leaves[:at] + leaves[at + 1:]))
+            aux.append((treedef, at))
+        return (tuple(parts), self.length), tuple(aux)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        parts, length = children
+        layers = [treedef.unflatten([*leaves[:at], length, *leaves[at:]]) for (treedef, at), leaves in zip(aux, parts)]
+        return cls(layers, length)
 
     @classmethod
     def empty(cls, config: LlamaConfig, spec: AttentionSpec, batch: int, max_len: int,
               dtype=jnp.float32) -> "LowBitCache":
         cfg = spec.dma_config(config.head_dim**-0.5)
-        layers = tuple(dma_jax.LowBitKVCache.empty(batch, max_len, config.num_kv_heads, config.head_dim,
-                                                   dtype=dtype, config=cfg, v_format=spec.kv_cache)
-                       for _ in range(config.num_layers))
-        return cls(tuple(dataclasses.replace(x, length=None) for x in layers), layers[0].length)
-
-    def layer(self, i: int) -> dma_jax.LowBitKVCache:
-        """Layer ``i``'s cache, with the shared length."""
-        return dataclasses.replace(self.layers[i], length=self.length)
+        layers = [dma_jax.LowBitKVCache.empty(batch, max_len, config.num_kv_heads, config.head_dim, dtype=dtype,
+                                              config=cfg, v_format=spec.kv_cache) for _ in range(config.num_layers)]
+        return cls(layers, layers[0].length)
 
     @property
     def max_len(self) -> int:
         return self.layers[0].capacity
 
     def nbytes(self) -> int:
-        """Bytes of the layers' arrays and the length."""
-        return sum(layer.nbytes() for layer in self.layers) + self.length.nbytes
+        """Bytes of the layers' arrays and the length (counted once)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self))
 
 
 def new_cache(config: LlamaConfig, spec: AttentionSpec, batch: int, max_len: int,
@@ -232,8 +244,8 @@ class Llama(nnx.Module):
         if t > cache.max_len:
             raise ValueError(f"prompt of {t} tokens does not fit a cache of {cache.max_len}")
         if isinstance(cache, LowBitCache):
-            layers = (cache.layer(i).write(k, v, lengths) for i, (k, v) in enumerate(zip(new_k, new_v)))
-            return logits, LowBitCache(tuple(dataclasses.replace(x, length=None) for x in layers), lengths)
+            return logits, LowBitCache([layer.write(k, v, lengths) for layer, k, v in zip(cache.layers, new_k, new_v)],
+                                       lengths)
         k = tuple(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), 0, axis=1) for c, x in zip(cache.k, new_k))
         v = tuple(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), 0, axis=1) for c, x in zip(cache.v, new_v))
         return logits, KVCache(k, v, lengths)
@@ -243,7 +255,7 @@ class Llama(nnx.Module):
         position ``cache.length``."""
         pos = cache.length
         if isinstance(cache, LowBitCache):
-            layers = [cache.layer(i) for i in range(len(cache.layers))]
+            layers = list(cache.layers)
 
             def append(i, k, v):
                 layers[i] = layers[i].append(k, v)
@@ -252,7 +264,7 @@ class Llama(nnx.Module):
                 return dma_jax.decode_attention(q.astype(layers[i].dtype), layers[i]).astype(q.dtype)
 
             logits = self.run_layers(tokens, pos[:, None], attend_low_bit, append)
-            return logits, LowBitCache(tuple(dataclasses.replace(x, length=None) for x in layers), layers[0].length)
+            return logits, LowBitCache(layers, layers[0].length)
         rows = jnp.arange(tokens.shape[0])
         scale = self.config.head_dim**-0.5
         ks, vs = list(cache.k), list(cache.v)
