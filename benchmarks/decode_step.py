@@ -161,9 +161,14 @@ def measure(steppers: dict[str, Stepper], layers: int, steps: int, rounds: int, 
     for name, stepper in steppers.items():
         ms = statistics.median(times[name])
         ops = entry_ops(stepper.compiled.as_text())
+        token, cache, key = stepper.carry
         rows[name] = {"step_ms": ms, "step_ms_rounds": times[name], "ms_per_layer": ms / layers,
                       "ops": sum(ops.values()), "ops_per_layer": sum(ops.values()) / layers,
-                      "by_kind": dict(ops.most_common())}
+                      "by_kind": dict(ops.most_common()),
+                      # What each call hands over: the weights, the token and key, and the cache
+                      # (donated on a GPU), each array an argument to prepare.
+                      "arrays_in": len(jax.tree.leaves((stepper.state, token, cache, key))),
+                      "cache_arrays": len(jax.tree.leaves(cache))}
         if profile:
             with tempfile.TemporaryDirectory() as trace:
                 with jax.profiler.trace(trace):
@@ -203,13 +208,13 @@ def main() -> None:
           f"median of {args.rounds} rounds of {args.steps} steps back to back, the choices in turn"
           f"{', random weights' if args.random_weights else ''}")
     print("| attention | ms per step | rounds' range | ms per layer | operations per step | per layer "
-          "| main kinds |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+          "| arrays in (cache) | main kinds |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for name, r in rows.items():
         kinds = ", ".join(f"{k} {n}" for k, n in list(r["by_kind"].items())[:4])
         spread = f"{min(r['step_ms_rounds']):.2f}–{max(r['step_ms_rounds']):.2f}"
         print(f"| {name} | {r['step_ms']:.2f} | {spread} | {r['ms_per_layer']:.3f} | {r['ops']} "
-              f"| {r['ops_per_layer']:.1f} | {kinds} |")
+              f"| {r['ops_per_layer']:.1f} | {r['arrays_in']} ({r['cache_arrays']}) | {kinds} |")
     if args.profile:
         print("\n| attention | kernels per step | GPU busy ms per step | busy / step time "
               "| longest kernels (us per step) |")

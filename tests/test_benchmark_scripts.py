@@ -185,7 +185,8 @@ def test_decode_step_random_model_has_smollm2_shape():
 def test_decode_step_runs_on_cpu(tmp_path):
     """benchmarks/decode_step.py runs on the CPU and writes one row per attention
     choice whose counts add up, whose step time is the median of its rounds and whose
-    profile names the host's activities; the low-bit cache's step runs more operations."""
+    profile names the host's activities; the low-bit cache's step runs more operations
+    and passes the arrays its layers hold, with one length."""
     done = run_python(str(ROOT / "benchmarks" / "decode_step.py"), "--prompt", "16", "--steps", "2", "--rounds", "3",
                       "--attention", "exact,dma+dma", "--profile", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -194,7 +195,13 @@ def test_decode_step_runs_on_cpu(tmp_path):
     for row in rows.values():
         assert row["step_ms"] > 0 and row["ops"] == sum(row["by_kind"].values()) > 0
         assert len(row["step_ms_rounds"]) == 3 and row["step_ms"] == sorted(row["step_ms_rounds"])[1]
+        assert row["arrays_in"] > row["cache_arrays"] > 0
         assert row["profile"] is None  # the CPU's trace has no GPU streams
         # The host's activities: XLA's and PJRT's, not the profiler's Python frames.
         assert row["host"] and all(a["us_per_step"] > 0 and not a["name"].startswith("$") for a in row["host"])
     assert rows["dma+dma"]["ops"] > rows["exact"]["ops"]
+    # The exact cache: K and V per layer and one length; the low-bit one: eight arrays per
+    # layer (codes, scales, values, smooth-K's mean) and one length shared by the layers.
+    layers = round(rows["exact"]["ops"] / rows["exact"]["ops_per_layer"])
+    assert rows["exact"]["cache_arrays"] == 2 * layers + 1
+    assert rows["dma+dma"]["cache_arrays"] == 8 * layers + 1
