@@ -50,30 +50,40 @@ class KVCache(NamedTuple):
 @jax.tree_util.register_pytree_node_class
 class LowBitCache:
     """DMA decode's cache (``AttentionSpec(decode="dma")``): one
-    :class:`dma_jax.LowBitKVCache` per layer, keys in DMA's formats, and each row's
-    number of filled positions ``length [B]``. Every layer holds the same positions, so
-    the layers' ``length`` is this one array, and as a pytree the cache carries it once:
-    a decode step passes, donates and advances one length instead of one per layer."""
+    :class:`dma_jax.LowBitKVCache` per layer (``layers``), keys in DMA's formats, and
+    each row's number of filled positions ``length [B]``. Every layer holds the same
+    positions, so the layers' ``length`` is this one array, and as a pytree the cache
+    carries it once: a decode step passes, donates and advances one length instead of
+    one per layer. The cache keeps each layer's arrays without the length (``LowBitCache.of``
+    takes them apart) and builds the layers when read, so that flattening and rebuilding
+    it, which every jitted step does on the host, stays as cheap as a tuple's."""
 
-    def __init__(self, layers: Sequence[dma_jax.LowBitKVCache], length: jax.Array):
-        self.layers = tuple(dataclasses.replace(x, length=length) for x in layers)
-        self.length = length
-
-    def tree_flatten(self):
-        # Each layer's leaves without its length (the shared one, found by identity).
-        parts, aux = [], []
-        for layer in self.layers:
-            leaves, treedef = jax.tree.flatten(layer)
-            at = next(i for i, x in enumerate(leaves) if x is self.length)
-            parts.append(tuple(leaves[:at] + leaves[at + 1:]))
-            aux.append((treedef, at))
-        return (tuple(parts), self.length), tuple(aux)
+    def __init__(self, parts: tuple, layout: tuple, length: jax.Array):
+        self._parts, self._layout, self.length = parts, layout, length
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
+    def of(cls, layers: Sequence[dma_jax.LowBitKVCache], length: jax.Array) -> "LowBitCache":
+        """The cache of ``layers``, all of them given ``length``."""
+        parts, layout = [], []
+        for layer in layers:
+            leaves, treedef = jax.tree.flatten(dataclasses.replace(layer, length=length))
+            at = next(i for i, x in enumerate(leaves) if x is length)
+            parts.append(tuple(leaves[:at] + leaves[at + 1:]))
+            layout.append((treedef, at))
+        return cls(tuple(parts), tuple(layout), length)
+
+    @property
+    def layers(self) -> tuple[dma_jax.LowBitKVCache, ...]:
+        return tuple(treedef.unflatten([*leaves[:at], self.length, *leaves[at:]])
+                     for (treedef, at), leaves in zip(self._layout, self._parts))
+
+    def tree_flatten(self):
+        return (self._parts, self.length), self._layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
         parts, length = children
-        layers = [treedef.unflatten([*leaves[:at], length, *leaves[at:]]) for (treedef, at), leaves in zip(aux, parts)]
-        return cls(layers, length)
+        return cls(parts, layout, length)
 
     @classmethod
     def empty(cls, config: LlamaConfig, spec: AttentionSpec, batch: int, max_len: int,
@@ -81,7 +91,7 @@ class LowBitCache:
         cfg = spec.dma_config(config.head_dim**-0.5)
         layers = [dma_jax.LowBitKVCache.empty(batch, max_len, config.num_kv_heads, config.head_dim, dtype=dtype,
                                               config=cfg, v_format=spec.kv_cache) for _ in range(config.num_layers)]
-        return cls(layers, layers[0].length)
+        return cls.of(layers, layers[0].length)
 
     @property
     def max_len(self) -> int:
@@ -244,8 +254,8 @@ class Llama(nnx.Module):
         if t > cache.max_len:
             raise ValueError(f"prompt of {t} tokens does not fit a cache of {cache.max_len}")
         if isinstance(cache, LowBitCache):
-            return logits, LowBitCache([layer.write(k, v, lengths) for layer, k, v in zip(cache.layers, new_k, new_v)],
-                                       lengths)
+            layers = [layer.write(k, v, lengths) for layer, k, v in zip(cache.layers, new_k, new_v)]
+            return logits, LowBitCache.of(layers, lengths)
         k = tuple(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), 0, axis=1) for c, x in zip(cache.k, new_k))
         v = tuple(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), 0, axis=1) for c, x in zip(cache.v, new_v))
         return logits, KVCache(k, v, lengths)
@@ -264,7 +274,7 @@ class Llama(nnx.Module):
                 return dma_jax.decode_attention(q.astype(layers[i].dtype), layers[i]).astype(q.dtype)
 
             logits = self.run_layers(tokens, pos[:, None], attend_low_bit, append)
-            return logits, LowBitCache(layers, layers[0].length)
+            return logits, LowBitCache.of(layers, layers[0].length)
         rows = jnp.arange(tokens.shape[0])
         scale = self.config.head_dim**-0.5
         ks, vs = list(cache.k), list(cache.v)
