@@ -47,6 +47,22 @@ def _one_block(x_ptr, y_ptr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, tl.load(x_ptr + offs) * 1.0001 + 0.5)
 
 
+def median_us(call, calls: int, rounds: int) -> float:
+    """Microseconds per ``call()`` (which returns what it dispatched), the median of
+    ``rounds`` rounds of ``calls`` calls back to back, after one warm-up call."""
+    import jax
+
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = call()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
 def per_launch_us(step, chain: int, calls: int, rounds: int) -> float:
     """Microseconds per launch of ``step`` (an array to an array of the same shape),
     ``chain`` of them in one jitted program, ``calls`` programs back to back."""
@@ -59,16 +75,14 @@ def per_launch_us(step, chain: int, calls: int, rounds: int) -> float:
         return x
 
     run = jax.jit(program).lower(jnp.ones((BLOCK,), jnp.float32)).compile()
-    y = run(jnp.ones((BLOCK,), jnp.float32))
-    jax.block_until_ready(y)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            y = run(y)
-        jax.block_until_ready(y)
-        times.append((time.perf_counter() - start) / calls / chain * 1e6)
-    return statistics.median(times)
+    y = jnp.ones((BLOCK,), jnp.float32)
+
+    def call():
+        nonlocal y
+        y = run(y)
+        return y
+
+    return median_us(call, calls, rounds) / chain
 
 
 def per_call_us(buffers: int, donate: bool, calls: int, rounds: int) -> float:
@@ -90,17 +104,9 @@ def per_call_us(buffers: int, donate: bool, calls: int, rounds: int) -> float:
             xs = run(xs)
         else:
             y = run(xs, y)
+        return xs, y
 
-    call()
-    jax.block_until_ready((xs, y))
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        jax.block_until_ready((xs, y))
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+    return median_us(call, calls, rounds)
 
 
 def launches() -> dict:
