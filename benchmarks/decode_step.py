@@ -1,16 +1,18 @@
-"""Where a decode step of the model goes: for each attention choice, the jitted step's
-time and the operations XLA runs in it.
+"""Where a decode step of the model goes: for each attention choice and chunk size,
+the time per step and the operations XLA runs in a step.
 
 For SmolLM2-135M (the embedded GGUF, ``--checkpoint``, or ``--random-weights``: its
 shape with random weights, which times the same, for a machine without the checkpoint)
 at one prompt length and batch size: prefill once, then time the generation loop's
-decode step (``models.decoding.jitted_steps``: greedy, jitted over the split model,
-the cache donated on a GPU) as back-to-back calls, in rounds where the choices take
-turns (the median round counts: from one process to the next, and within one, the
-step time of this small model moves by up to a third), and count the
-top-level operations of the step's optimized HLO by kind: fusions, custom calls
+decode program (``models.decoding.jitted_steps``: greedy, jitted over the split model,
+the cache donated on a GPU, ``chunk`` steps per call) as back-to-back calls, in rounds
+where the choices take turns (the median round counts: from one process to the next,
+and within one, the step time of this small model moves by up to a third), and count
+the operations of one step in the optimized HLO by kind: fusions, custom calls
 (Triton kernels, cuDNN), scatters and the rest. Each is at least one kernel launch,
-so the counts show whether a step is bound by its kernels or by launching them.
+so the counts show whether a step is bound by its kernels or by launching them;
+``--chunks 1,8`` shows what a call's own cost (its arguments, the donated cache
+among them) adds to a step.
 With ``--profile`` the same steps also run under JAX's profiler: the kernels the GPU
 ran per step, the time it was busy running them (against the step's time, how far the
 step is bound by launching rather than running kernels) and the kernels that took
@@ -19,7 +21,7 @@ XLA's thunks), which show where a step that leaves the GPU idle spends its time.
 Prints a table and writes ``results/decode_step_<gpu>.json``.
 
     python benchmarks/decode_step.py [--prompt 2048] [--batch 1] [--steps 32] [--rounds 5]
-        [--attention cudnn,dma,dma+dma,dma+dma-fp8v] [--checkpoint PATH | --random-weights]
+        [--chunks 1,8] [--attention cudnn,dma,dma+dma,dma+dma-fp8v] [--checkpoint PATH | --random-weights]
         [--profile]
 """
 
@@ -46,7 +48,7 @@ from flax import nnx
 
 from device_name import gpu_tag
 from generation import SPECS, attention_names  # the attention choices, named as there
-from models.decoding import Sampling, jitted_steps
+from models.decoding import CHUNK, Sampling, jitted_steps
 from models.llama import AttentionSpec, Llama, LlamaConfig, load_checkpoint, new_cache
 
 # SmolLM2-135M-Instruct's shape (as its GGUF describes it), for --random-weights.
@@ -56,15 +58,34 @@ SMOLLM2_135M = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=
 # HLO instructions that launch nothing.
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id"}
 _OPCODE = re.compile(r"=\s*(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9-]*)\(")
+_WHILE_BODY = re.compile(r"body=%?([\w.\-]+)")
+
+
+def _computation(hlo: str, header: str) -> list[str]:
+    """The instruction lines of the computation whose header line starts with ``header``."""
+    start = hlo.index("\n" + header)
+    text = hlo[start:]
+    return text[text.index("{") + 1:text.index("\n}")].splitlines()
+
+
+def _ops(lines: list[str]) -> collections.Counter:
+    found = (_OPCODE.search(line) for line in lines)
+    return collections.Counter(m.group(1) for m in found if m and m.group(1) not in _FREE)
 
 
 def entry_ops(hlo: str) -> collections.Counter:
     """Opcodes of the ENTRY computation's instructions in an HLO module's text,
     without those that launch nothing."""
-    entry = hlo[hlo.index("\nENTRY"):]
-    body = entry[entry.index("{") + 1:entry.index("\n}")]
-    found = (_OPCODE.search(line) for line in body.splitlines())
-    return collections.Counter(m.group(1) for m in found if m and m.group(1) not in _FREE)
+    return _ops(_computation(hlo, "ENTRY"))
+
+
+def step_ops(hlo: str) -> collections.Counter:
+    """The opcodes of one decode step: of the ENTRY computation or, where a while loop
+    runs the steps (a decode program's chunk), of that loop's body; the larger of the
+    two (a random key's split may be a small loop of its own)."""
+    bodies = [m.group(1) for m in map(_WHILE_BODY.search, hlo.splitlines()) if m and " while(" in m.string]
+    candidates = [entry_ops(hlo)] + [_ops(_computation(hlo, f"%{b} ")) for b in bodies]
+    return max(candidates, key=lambda ops: sum(ops.values()))
 
 
 def busy_ns(spans: list[tuple[int, int]]) -> int:
@@ -126,25 +147,27 @@ def kernel_report(kernels: list[tuple[str, int, int]], steps: int, top: int = 6)
 
 
 class Stepper:
-    """One attention choice's compiled greedy decode step (``models.decoding.jitted_steps``:
-    jitted over the split model, the cache donated on a GPU) after a prefill, with the
-    loop's carry (token, cache, key), so that choices can be timed in turn."""
+    """One attention choice's compiled greedy decode program (``models.decoding.jitted_steps``:
+    jitted over the split model, the cache donated on a GPU, ``chunk`` steps per call)
+    after a prefill, with the loop's carry (token, cache, key), so that choices can be
+    timed in turn."""
 
-    def __init__(self, model, spec: AttentionSpec, prompt: int, batch: int, capacity: int):
+    def __init__(self, model, spec: AttentionSpec, prompt: int, batch: int, capacity: int, chunk: int):
         graphdef, self.state = nnx.split(model)
-        prefill, decode = jitted_steps(graphdef, spec, Sampling())
+        prefill, decode = jitted_steps(graphdef, spec, Sampling(), chunk)
         tokens = jax.random.randint(jax.random.key(prompt), (batch, prompt), 100, model.config.vocab_size)
         lengths = jnp.full((batch,), prompt, jnp.int32)
         cache = new_cache(model.config, spec, batch, capacity, model.dtype)
+        self.chunk = chunk
         self.carry = prefill(self.state, tokens, lengths, cache, jax.random.key(0))
         self.compiled = decode.lower(self.state, *self.carry).compile()
-        self.run(1)  # warm-up
+        self.run(chunk)  # warm-up
 
     def run(self, steps: int) -> float:
-        """Run ``steps`` steps back to back; milliseconds per step."""
+        """Run ``steps`` steps (a multiple of the chunk) back to back; milliseconds per step."""
         start = time.perf_counter()
-        for _ in range(steps):
-            self.carry = self.compiled(self.state, *self.carry)
+        for _ in range(steps // self.chunk):
+            _, *self.carry = self.compiled(self.state, *self.carry)
         jax.block_until_ready(self.carry)
         return 1e3 * (time.perf_counter() - start) / steps
 
@@ -160,9 +183,9 @@ def measure(steppers: dict[str, Stepper], layers: int, steps: int, rounds: int, 
     rows = {}
     for name, stepper in steppers.items():
         ms = statistics.median(times[name])
-        ops = entry_ops(stepper.compiled.as_text())
+        ops = step_ops(stepper.compiled.as_text())
         token, cache, key = stepper.carry
-        rows[name] = {"step_ms": ms, "step_ms_rounds": times[name], "ms_per_layer": ms / layers,
+        rows[name] = {"chunk": stepper.chunk, "step_ms": ms, "step_ms_rounds": times[name], "ms_per_layer": ms / layers,
                       "ops": sum(ops.values()), "ops_per_layer": sum(ops.values()) / layers,
                       "by_kind": dict(ops.most_common()),
                       # What each call hands over: the weights, the token and key, and the cache
@@ -185,6 +208,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=32, help="steps per round")
     p.add_argument("--rounds", type=int, default=5, help="rounds; the choices take turns, the median is reported")
+    p.add_argument("--chunks", default=f"1,{CHUNK}",
+                   help="decode steps per call, each a choice of its own (each divides --steps)")
     p.add_argument("--attention", default="cudnn,dma,dma+dma,dma+dma-fp8v")
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--checkpoint", default=None,
@@ -200,8 +225,12 @@ def main() -> None:
         model = Llama(SMOLLM2_135M, dtype=dtype)
     else:
         model, _ = load_checkpoint(args.checkpoint, dtype=dtype)
-    capacity = args.prompt + (args.rounds + 1) * args.steps + 2
-    steppers = {name: Stepper(model, SPECS[name], args.prompt, args.batch, capacity) for name in names}
+    chunks = [int(c) for c in args.chunks.split(",")]
+    if any(c < 1 or args.steps % c for c in chunks):
+        p.error(f"every chunk must be >= 1 and divide --steps={args.steps}; got {args.chunks}")
+    capacity = args.prompt + (args.rounds + 2) * args.steps + 2
+    steppers = {f"{name}, chunk {c}": Stepper(model, SPECS[name], args.prompt, args.batch, capacity, c)
+                for name in names for c in chunks}
     rows = measure(steppers, model.config.num_layers, args.steps, args.rounds, args.profile)
     device = jax.devices()[0].device_kind
     print(f"{device}, prompt {args.prompt}, batch {args.batch}, {model.config.num_layers} layers, "
@@ -237,7 +266,7 @@ def main() -> None:
     path = os.path.join(args.out, f"decode_step_{tag}.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "device": device, "jax": jax.__version__,
-                   "prompt": args.prompt, "batch": args.batch, "steps": args.steps, "rounds": args.rounds,
+                   "prompt": args.prompt, "batch": args.batch, "steps": args.steps, "chunks": chunks, "rounds": args.rounds,
                    "random_weights": args.random_weights, "rows": rows}, fh, indent=2)
     print(f"wrote {path}")
 

@@ -1,11 +1,15 @@
-"""Token generation at device speed: jitted prefill and decode steps over the model's
-split state, sampling inside the step, the KV cache donated, and the host reading
-each token while the device already runs the next step.
+"""Token generation at device speed: jitted prefill and decode over the model's split
+state, sampling inside the program, the KV cache donated, decode steps run in chunks
+on the device, and the host reading each chunk's tokens while the device already
+runs the next chunk.
 
 ``nnx.jit`` walks the model's graph on every call; here the model is split once into
-a graph definition (static) and its state (a pytree of arrays), and each step is a
-plain ``jax.jit`` function of the state. The steps are compiled ahead of time per
-input shape, so that compile time is measured apart from run time (``Timings``).
+a graph definition (static) and its state (a pytree of arrays), and each program is a
+plain ``jax.jit`` function of the state. A call hands over every weight and cache
+array, and a donated array costs the host microseconds to prepare (on an H100 about
+4 µs each, ``benchmarks/launch_cost.py``), so one call runs ``chunk`` decode steps in
+a ``lax.scan``. The programs are compiled ahead of time per input shape, so that
+compile time is measured apart from run time (``Timings``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from flax import nnx
 
 from .llama import AttentionSpec, Llama, new_cache
 
-__all__ = ["Sampling", "Timings", "generate", "generate_batch", "jitted_steps", "sample"]
+__all__ = ["CHUNK", "Sampling", "Timings", "generate", "generate_batch", "jitted_steps", "sample"]
+
+# Decode steps per call of the decode program (``generate_batch``'s default).
+CHUNK = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,23 +90,33 @@ def _prefill_step(graphdef, spec: AttentionSpec, sampling: Sampling, state, toke
     return sample(logits, sub, sampling), cache, key
 
 
-def _decode_step(graphdef, spec: AttentionSpec, sampling: Sampling, state, token, cache, key):
+def _decode_steps(graphdef, spec: AttentionSpec, sampling: Sampling, steps: int, state, token, cache, key):
     model = nnx.merge(graphdef, state)
-    logits, cache = model.decode(token[:, None], cache, spec)
-    key, sub = jax.random.split(key)
-    return sample(logits[:, -1], sub, sampling), cache, key
+
+    def step(carry, _):
+        token, cache, key = carry
+        logits, cache = model.decode(token[:, None], cache, spec)
+        key, sub = jax.random.split(key)
+        token = sample(logits[:, -1], sub, sampling)
+        return (token, cache, key), token
+
+    (token, cache, key), tokens = jax.lax.scan(step, (token, cache, key), length=steps)
+    return tokens.T, token, cache, key
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_steps(graphdef, spec: AttentionSpec, sampling: Sampling):
+def jitted_steps(graphdef, spec: AttentionSpec, sampling: Sampling, chunk: int = 1):
     """(prefill, decode) as ``jax.jit`` functions of (state, ...), the cache donated
     where the backend can reuse it (not on CPU, where JAX would warn):
-    ``prefill(state, tokens [B, T], lengths [B], cache, key)`` and
-    ``decode(state, token [B], cache, key)``, each returning (next tokens [B], cache, key)."""
+    ``prefill(state, tokens [B, T], lengths [B], cache, key)`` returns (first new tokens
+    [B], cache, key); ``decode(state, token [B], cache, key)`` runs ``chunk`` steps from
+    ``token`` and returns (their tokens [B, chunk], the last of them [B], cache, key)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1; got {chunk!r}")
     donate = jax.default_backend() != "cpu"
     prefill = jax.jit(functools.partial(_prefill_step, graphdef, spec, sampling),
                       donate_argnums=(3,) if donate else ())
-    decode = jax.jit(functools.partial(_decode_step, graphdef, spec, sampling),
+    decode = jax.jit(functools.partial(_decode_steps, graphdef, spec, sampling, chunk),
                      donate_argnums=(2,) if donate else ())
     return prefill, decode
 
@@ -123,7 +140,7 @@ def _compiled(fn, args, timings: Timings):
 def generate_batch(
     model: Llama, prompts: Sequence[Sequence[int]], *, spec: AttentionSpec, max_new_tokens: int,
     sampling: Sampling = Sampling(), stop_ids: tuple[int, ...] = (), timings: Timings | None = None,
-    cache_len: int | None = None,
+    cache_len: int | None = None, chunk: int = CHUNK,
 ) -> Iterator[list[int | None]]:
     """Generate for several prompts at once: yield, step by step, each row's new token
     (``None`` once the row has produced a stop token or is done).
@@ -131,7 +148,10 @@ def generate_batch(
     Prompts of different lengths are right-padded into one prefill; each row then
     decodes at its own position. ``cache_len``: KV-cache length, at least the longest
     prompt + new tokens (the default); one length for many calls lets them share the
-    compiled steps. The host reads step i's tokens while step i+1 runs.
+    compiled programs. ``chunk``: decode steps per call; the host reads a chunk's
+    tokens while the next chunk runs, and the last chunk's steps past
+    ``max_new_tokens`` (at most ``chunk - 1``, written into as many extra cache
+    positions) are discarded. The tokens do not depend on ``chunk``.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
@@ -150,45 +170,50 @@ def generate_batch(
     timings.compile_s = timings.prefill_s = timings.decode_s = 0.0
 
     graphdef, state = nnx.split(model)
-    prefill, decode = jitted_steps(graphdef, spec, sampling)
-    cache = new_cache(model.config, spec, len(prompts), cache_len or needed, model.dtype)
+    prefill, decode = jitted_steps(graphdef, spec, sampling, chunk)
+    cache = new_cache(model.config, spec, len(prompts), (cache_len or needed) + chunk - 1, model.dtype)
     key = jax.random.PRNGKey(sampling.seed)
     args = (state, jnp.asarray(tokens), jnp.asarray(lengths), cache, key)
-    # Both steps compiled (or found compiled) before the clock of the prefill starts.
+    # Both programs compiled (or found compiled) before the clock of the prefill starts.
     prefill_fn = _compiled(prefill, args, timings)
     decode_fn = _compiled(decode, (state, jnp.zeros(len(prompts), jnp.int32), cache, key), timings)
     start = time.perf_counter()
     token, cache, key = prefill_fn(*args)
     done = np.zeros(len(prompts), bool)
     stops = np.asarray(stop_ids, np.int32)
-    for i in range(max_new_tokens):
-        last = i + 1 == max_new_tokens
-        if not last:  # dispatched before this step's tokens are read: the device runs ahead
-            next_token, cache, key = decode_fn(state, token, cache, key)
-        host = np.asarray(token)
+    produced = 0
+    pending = token[:, None]  # tokens the host has not read yet, [B, n]
+    while True:
+        if produced + pending.shape[1] < max_new_tokens:
+            # Dispatched before the pending tokens are read: the device runs ahead.
+            ahead, token, cache, key = decode_fn(state, token, cache, key)
+        host = np.asarray(pending)
         now = time.perf_counter()
-        if i == 0:
+        if produced == 0:
             timings.prefill_s = now - start
-            start = now
-        else:
+            start = now  # decode time runs from the first token on the host
+        for column in host.T[:max_new_tokens - produced]:
+            produced += 1
             timings.decode_s = now - start
-        timings.new_tokens = i + 1
-        yield [None if d else int(t) for t, d in zip(host, done)]
-        done |= np.isin(host, stops)
-        if last or done.all():
-            break
-        token = next_token
+            timings.new_tokens = produced
+            yield [None if d else int(t) for t, d in zip(column, done)]
+            done |= np.isin(column, stops)
+            if done.all():
+                return
+        if produced == max_new_tokens:
+            return
+        pending = ahead
 
 
 def generate(
     model: Llama, prompt_ids: Sequence[int], *, spec: AttentionSpec, max_new_tokens: int,
     sampling: Sampling = Sampling(), stop_ids: tuple[int, ...] = (), timings: Timings | None = None,
-    cache_len: int | None = None,
+    cache_len: int | None = None, chunk: int = CHUNK,
 ) -> Iterator[int]:
     """Yield one prompt's new token ids one by one, the stop token included
     (``generate_batch`` with one row)."""
     for step in generate_batch(model, [prompt_ids], spec=spec, max_new_tokens=max_new_tokens, sampling=sampling,
-                               stop_ids=stop_ids, timings=timings, cache_len=cache_len):
+                               stop_ids=stop_ids, timings=timings, cache_len=cache_len, chunk=chunk):
         if step[0] is None:
             return
         yield step[0]

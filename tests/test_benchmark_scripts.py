@@ -184,15 +184,23 @@ def test_decode_step_random_model_has_smollm2_shape():
 @pytest.mark.slow
 def test_decode_step_runs_on_cpu(tmp_path):
     """benchmarks/decode_step.py runs on the CPU and writes one row per attention
-    choice whose counts add up, whose step time is the median of its rounds and whose
-    profile names the host's activities; the low-bit cache's step runs more operations
-    and passes the arrays its layers hold, with one length."""
+    choice and chunk whose counts add up, whose step time is the median of its rounds
+    and whose profile names the host's activities; the low-bit cache's step runs more
+    operations and passes the arrays its layers hold, with one length; a chunk of
+    steps counts one step's operations, and updates the cache in place where a
+    program of one step copies it (the CPU donates nothing)."""
     done = run_python(str(ROOT / "benchmarks" / "decode_step.py"), "--prompt", "16", "--steps", "2", "--rounds", "3",
-                      "--attention", "exact,dma+dma", "--profile", "--out", str(tmp_path))
+                      "--chunks", "1,2", "--attention", "exact,dma+dma", "--profile", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = json.loads((tmp_path / "decode_step_cpu.json").read_text())["rows"]
-    assert set(rows) == {"exact", "dma+dma"}
-    for row in rows.values():
+    chunked = json.loads((tmp_path / "decode_step_cpu.json").read_text())["rows"]
+    assert set(chunked) == {f"{name}, chunk {c}" for name in ("exact", "dma+dma") for c in (1, 2)}
+    for name in ("exact", "dma+dma"):
+        one, two = chunked[f"{name}, chunk 1"], chunked[f"{name}, chunk 2"]
+        assert (one["chunk"], two["chunk"]) == (1, 2)
+        assert one["by_kind"]["dot"] == two["by_kind"]["dot"] > 0
+        assert one["by_kind"]["copy"] >= one["cache_arrays"] - 1 > two["by_kind"].get("copy", 0)
+    rows = {name: chunked[f"{name}, chunk 1"] for name in ("exact", "dma+dma")}
+    for row in chunked.values():
         assert row["step_ms"] > 0 and row["ops"] == sum(row["by_kind"].values()) > 0
         assert len(row["step_ms_rounds"]) == 3 and row["step_ms"] == sorted(row["step_ms_rounds"])[1]
         assert row["arrays_in"] > row["cache_arrays"] > 0

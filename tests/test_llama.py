@@ -181,6 +181,15 @@ def test_greedy_answer_contains_paris(smollm):
     longer = list(generate(model, ids, spec=AttentionSpec.named("exact"), max_new_tokens=12,
                            stop_ids=(tokenizer.eos_token_id,), cache_len=len(ids) + 40))
     assert longer == out
+    # Decode steps run in chunks on the device: the answer is the same whatever the chunk,
+    # including one that stops inside a chunk or one past the cache_len's positions.
+    assert len(out) % 5 and len(out) % 3
+    for chunk in (1, 3, 5):
+        assert list(generate(model, ids, spec=AttentionSpec.named("exact"), max_new_tokens=12,
+                             stop_ids=(tokenizer.eos_token_id,), chunk=chunk)) == out
+    assert list(generate(model, ids, spec=AttentionSpec.named("exact"), max_new_tokens=4, chunk=2)) == out[:4]
+    with pytest.raises(ValueError, match="chunk must be an int >= 1; got 0"):
+        next(generate(model, ids, spec=AttentionSpec.named("exact"), max_new_tokens=4, chunk=0))
     with pytest.raises(ValueError, match=r"cache_len must be >= longest prompt \+ new tokens"):
         next(generate(model, ids, spec=AttentionSpec.named("exact"), max_new_tokens=12, cache_len=len(ids)))
     # A batch of two prompts of different lengths answers each as alone; the timings
