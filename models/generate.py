@@ -23,7 +23,7 @@ from flax import nnx
 from dma_jax import DMAConfig
 from dma_jax.config import HIGH_FORMATS, LOW_FORMATS
 
-from .decoding import Sampling, Timings, generate, generate_batch, sample
+from .decoding import CHUNK, Sampling, Timings, generate, generate_batch, sample
 from .llama import AttentionSpec, Llama, load_checkpoint
 from .llama.attention import ATTENTION_NAMES, DECODE_NAMES, KV_CACHE_FORMATS
 
@@ -96,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--batch", action="store_true", help="answer all prompts in one batch (one prefill, one decode loop)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
+    p.add_argument("--chunk", type=int, default=CHUNK,
+                   help="decode steps per device call: the answer streams in chunks of this many tokens")
     p.add_argument("--attention", default="dma", choices=ATTENTION_NAMES, help="prefill attention")
     p.add_argument("--decode-attention", choices=DECODE_NAMES, default=None,
                    help="decode attention (default: exact after a DMA prefill, else the prefill's); dma: DMA "
@@ -123,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
+    if args.chunk < 1:
+        p.error(f"--chunk must be >= 1; got {args.chunk}")
     try:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         dma = DMAConfig(diag_tiles=args.diag_tiles, sink_tiles=args.sink_tiles, high=args.high, low=args.low)
@@ -157,7 +161,7 @@ def _answer(model: Llama, tokenizer, ids: list[int], spec: AttentionSpec, sampli
     out: list[int] = []
     printed = ""
     for tok in generate(model, ids, spec=spec, max_new_tokens=args.max_new_tokens,
-                        sampling=sampling, stop_ids=stop, timings=timings):
+                        sampling=sampling, stop_ids=stop, timings=timings, chunk=args.chunk):
         out.append(tok)
         text = tokenizer.decode(out, skip_special_tokens=True)
         sys.stdout.write(text[len(printed):])
@@ -193,7 +197,7 @@ def _answer_batch(model: Llama, tokenizer, prompts: list[str], ids: list[list[in
     timings = Timings()
     outs: list[list[int]] = [[] for _ in ids]
     for step in generate_batch(model, ids, spec=spec, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                               stop_ids=stop, timings=timings):
+                               stop_ids=stop, timings=timings, chunk=args.chunk):
         for row, tok in enumerate(step):
             if tok is not None:
                 outs[row].append(tok)

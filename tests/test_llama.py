@@ -339,10 +339,11 @@ def test_cli_help_and_one_line_errors(capsys, tmp_path):
         main(["--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m models.generate")
-    assert "(default: dma)" in out and "(default: 64)" in out
+    assert "(default: dma)" in out and "(default: 64)" in out and "(default: 8)" in out
     for argv, message in ((["--diag-tiles", "-1"], "diag_tiles must be"),
                           (["--top-p", "0"], r"top_p must be in (0, 1]; got 0.0"),
                           (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1; got 0"),
+                          (["--chunk", "0"], "--chunk must be >= 1; got 0"),
                           (["--kv-cache", "fp8"], "kv_cache='fp8' is the format of DMA decode's cache: it needs "
                                                   "decode='dma'"),
                           (["--checkpoint", str(tmp_path / "nope.bin")], "neither a directory nor a .gguf file")):
