@@ -266,8 +266,8 @@ def main() -> None:
     path = os.path.join(args.out, f"decode_step_{tag}.json")
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "device": device, "jax": jax.__version__,
-                   "prompt": args.prompt, "batch": args.batch, "steps": args.steps, "chunks": chunks, "rounds": args.rounds,
-                   "random_weights": args.random_weights, "rows": rows}, fh, indent=2)
+                   "prompt": args.prompt, "batch": args.batch, "steps": args.steps, "chunks": chunks,
+                   "rounds": args.rounds, "random_weights": args.random_weights, "rows": rows}, fh, indent=2)
     print(f"wrote {path}")
 
 
