@@ -9,7 +9,7 @@ seeded random token ids: speed does not depend on the text. Also the KV cache's
 bytes per token. Prints a table with the ratios to transformers and writes JSON and
 a PNG.
 
-    python benchmarks/generation.py [--prompts 512,2048,8192] [--batches 1,8] [--new-tokens 128]
+    python benchmarks/generation.py [--prompts 512,2048,8192] [--batches 1,8] [--new-tokens 128] [--chunk 8]
         [--attention exact,cudnn,dma] [--no-hf] [--checkpoint PATH]
 """
 
@@ -33,7 +33,7 @@ import numpy as np
 
 from device_name import gpu_tag
 from plotting import pyplot
-from models.decoding import Timings, generate_batch
+from models.decoding import CHUNK, Timings, generate_batch
 from models.generate import device_name
 from models.llama import AttentionSpec, load_checkpoint, new_cache
 from models.llama.loaders import embedded_model_path
@@ -63,11 +63,11 @@ def prompts(vocab: int, length: int, batch: int, seed: int = 0) -> list[list[int
     return [rng.integers(100, vocab, length).tolist() for _ in range(batch)]
 
 
-def ours(model, spec: AttentionSpec, ids: list[list[int]], new_tokens: int) -> dict:
+def ours(model, spec: AttentionSpec, ids: list[list[int]], new_tokens: int, chunk: int) -> dict:
     """Second of two identical runs (the first compiles)."""
     for _ in range(2):
         t = Timings()
-        for _ in generate_batch(model, ids, spec=spec, max_new_tokens=new_tokens, timings=t):
+        for _ in generate_batch(model, ids, spec=spec, max_new_tokens=new_tokens, timings=t, chunk=chunk):
             pass
     length = len(ids[0]) + new_tokens
     cache = new_cache(model.config, spec, 1, length, model.dtype)
@@ -114,6 +114,7 @@ def main() -> None:
     p.add_argument("--prompts", default="512,2048,8192")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--chunk", type=int, default=CHUNK, help="our loop's decode steps per device call")
     p.add_argument("--attention", default=",".join(SPECS))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: the embedded SmolLM2-135M)")
@@ -123,6 +124,8 @@ def main() -> None:
     names = attention_names(p, args.attention)
     if args.new_tokens < 2:
         p.error(f"--new-tokens must be >= 2 (one prefill token and a decode step); got {args.new_tokens}")
+    if args.chunk < 1:
+        p.error(f"--chunk must be >= 1; got {args.chunk}")
     checkpoint = args.checkpoint or embedded_model_path()
     model, _ = load_checkpoint(checkpoint, dtype=getattr(jnp, args.dtype))
     torch_model = None if args.no_hf else hf_model(checkpoint, args.dtype)
@@ -136,7 +139,7 @@ def main() -> None:
             row = {"prompt": length, "batch": batch, "results": {}}
             for name in names:
                 try:
-                    row["results"][name] = ours(model, SPECS[name], ids, args.new_tokens)
+                    row["results"][name] = ours(model, SPECS[name], ids, args.new_tokens, args.chunk)
                 except Exception as e:  # e.g. out of memory for exact attention's scores
                     row["results"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             if torch_model is not None:
@@ -146,7 +149,7 @@ def main() -> None:
             with open(path, "w") as fh:  # after every row: a run cut short keeps what it measured
                 json.dump({"date": datetime.date.today().isoformat(), "device": device_name(),
                            "jax": jax.__version__, "checkpoint": os.path.basename(checkpoint), "dtype": args.dtype,
-                           "new_tokens": args.new_tokens, "rows": rows}, fh, indent=2)
+                           "new_tokens": args.new_tokens, "chunk": args.chunk, "rows": rows}, fh, indent=2)
     _table(rows)
     print(f"wrote {path}")
     _plot(rows, path[:-5] + ".png")
