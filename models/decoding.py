@@ -105,7 +105,7 @@ def _decode_steps(graphdef, spec: AttentionSpec, sampling: Sampling, steps: int,
 
 
 @functools.lru_cache(maxsize=None)
-def jitted_steps(graphdef, spec: AttentionSpec, sampling: Sampling, chunk: int = 1):
+def jitted_steps(graphdef, spec: AttentionSpec, sampling: Sampling, chunk: int = CHUNK):
     """(prefill, decode) as ``jax.jit`` functions of (state, ...), the cache donated
     where the backend can reuse it (not on CPU, where JAX would warn):
     ``prefill(state, tokens [B, T], lengths [B], cache, key)`` returns (first new tokens
@@ -192,9 +192,9 @@ def generate_batch(
         if produced == 0:
             timings.prefill_s = now - start
             start = now  # decode time runs from the first token on the host
+        timings.decode_s = now - start
         for column in host.T[:max_new_tokens - produced]:
             produced += 1
-            timings.decode_s = now - start
             timings.new_tokens = produced
             yield [None if d else int(t) for t, d in zip(column, done)]
             done |= np.isin(column, stops)
