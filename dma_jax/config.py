@@ -7,11 +7,13 @@ import math
 
 import jax
 
-from triton_kernels.format_table import FORMATS, check_rule
+from triton_kernels.format_table import BF16, FORMATS, check_rule
 
 from .rotation import ROTATIONS
 
-HIGH_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
+# The high formats of the prefill kernels; "bf16" also for decode caches and the reference.
+PREFILL_HIGH_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
+HIGH_FORMATS = (*PREFILL_HIGH_FORMATS, BF16)
 LOW_FORMATS = ("nvfp4", "mxfp4")
 PV_MODES = ("input", "fp8")
 NVFP4_COPIES = ("bf16", "e4m3")
@@ -47,7 +49,10 @@ class DMAConfig:
     Attributes:
       diag_tiles: width of the high-precision diagonal band, in tiles.
       sink_tiles: number of leading key tiles ("attention sinks") kept high.
-      high: 8-bit format, ``"mxfp8_e4m3"`` or ``"mxfp8_e5m2"``.
+      high: 8-bit format, ``"mxfp8_e4m3"`` or ``"mxfp8_e5m2"``; or ``"bf16"``: the high
+        pairs unquantized (Q and K rounded to bfloat16 after smoothing and rotation),
+        for a decode cache's sink and band keys (``LowBitKVCache``) and
+        ``reference_attention``; the prefill kernels take the 8-bit formats only.
       low: 4-bit format, ``"nvfp4"`` or ``"mxfp4"``.
       smooth_k: subtract the per-channel mean of K over the valid tokens first.
       sm_scale: softmax scale; ``None`` means ``head_dim ** -0.5``.
@@ -56,7 +61,7 @@ class DMAConfig:
         on Hopper, less accurate; see ``dma_jax.formats.fp8_per_channel``).
       high_rule, low_rule: how the high and the low copies choose their block scales
         (``FORMATS[fmt].rules``, see ``dma_jax.quantize``); ``None`` is the format's
-        ``default_rule``.
+        ``default_rule``. ``high="bf16"`` has no block scales and takes ``None`` only.
       rotate: ``"hadamard"`` (default: Q and K rotated along head_dim by the
         Walsh–Hadamard matrix before quantization, ``dma_jax.rotation``) or ``"none"``.
       nvfp4_copy: what NVFP4 tiles multiply on GPUs without native NVFP4 MMAs (Hopper):
@@ -93,7 +98,11 @@ class DMAConfig:
         _check_choice("rotate", self.rotate, ROTATIONS)
         _check_choice("nvfp4_copy", self.nvfp4_copy, NVFP4_COPIES)
         _check_choice("native", self.native, (None, True, False))
+        if self.high == BF16 and self.high_rule is not None:
+            raise ValueError(f"DMAConfig.high_rule: high='bf16' has no block scales; got {self.high_rule!r}")
         for name, fmt in (("high_rule", self.high), ("low_rule", self.low)):
+            if fmt == BF16:
+                continue
             try:
                 check_rule(FORMATS[fmt], getattr(self, name))
             except ValueError as e:
@@ -155,9 +164,11 @@ class DMAConfig:
                     rotate=self.rotate == "hadamard", smooth_k=self.smooth_k)
 
     @property
-    def scale_rules(self) -> tuple[str, str]:
-        """The block-scale rules of the high and the low copies, defaults resolved."""
-        return check_rule(FORMATS[self.high], self.high_rule), check_rule(FORMATS[self.low], self.low_rule)
+    def scale_rules(self) -> tuple[str | None, str]:
+        """The block-scale rules of the high and the low copies, defaults resolved
+        (``None`` for ``high="bf16"``, which has no block scales)."""
+        high = None if self.high == BF16 else check_rule(FORMATS[self.high], self.high_rule)
+        return high, check_rule(FORMATS[self.low], self.low_rule)
 
     def softmax_scale(self, head_dim: int) -> float:
         """The softmax scale for ``head_dim`` (``sm_scale`` or ``head_dim**-0.5``)."""

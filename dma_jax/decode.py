@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from triton_kernels.format_table import BF16
 from triton_kernels.geometry import CACHE_FIELDS, TILE, cache_slot
 
 from .config import DMAConfig
@@ -50,7 +51,10 @@ def decode_reference(q, lo_codes, lo_scales, lo_token, hi_codes, hi_scales, v, v
     k_pos = jnp.arange(capacity)
     k_lo = dequantize(Quantized(lo_codes, lo_scales, lo_token if config.low == "nvfp4" else None), config.low)
     slots = cache_slot(k_pos, sink_len, ring_len)
-    k_hi = dequantize(Quantized(hi_codes[:, slots], hi_scales[:, slots], None), config.high)
+    if config.high == BF16:
+        k_hi = hi_codes[:, slots].astype(jnp.float32)
+    else:
+        k_hi = dequantize(Quantized(hi_codes[:, slots], hi_scales[:, slots], None), config.high)
     q_pos = (length[:, None] - n + jnp.arange(n)[None, :])[:, None, None, :, None]  # [B, 1, 1, n, 1]
 
     def scores(fmt, rule, keys):

@@ -44,7 +44,7 @@ from triton_kernels.geometry import TILE
 
 from .validation import dtype_name, is_array
 
-__all__ = ["FORMATS", "Format", "Quantized", "get_format", "quantize", "dequantize", "fp8_per_token", "fp8_per_tile",
+__all__ = ["FORMATS", "Format", "Quantized", "bf16_copy", "get_format", "quantize", "dequantize", "fp8_per_token", "fp8_per_tile",
            "fp8_per_channel", "quantize_token_e4m3", "dequantize_token_e4m3"]
 
 _MIN_NORMAL_F32 = np.float32(2.0**-126)
@@ -102,6 +102,13 @@ def div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
 def flush_subnormals(x: jax.Array) -> jax.Array:
     """Replace float32 subnormals by zeros of the same sign."""
     return jnp.where(jnp.abs(x) < _MIN_NORMAL_F32, jnp.copysign(0.0, x), x)
+
+
+def bf16_copy(x: jax.Array) -> jax.Array:
+    """``x`` as ``DMAConfig(high="bf16")`` keeps it: float32 subnormals flushed (as
+    every format flushes its input), then rounded to the nearest bfloat16 (ties to
+    even). Returns bfloat16."""
+    return flush_subnormals(jnp.asarray(x).astype(jnp.float32)).astype(jnp.bfloat16)
 
 
 def round_to_element(v: jax.Array, fmt: Format) -> jax.Array:

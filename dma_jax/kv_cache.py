@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triton_kernels.format_table import FORMATS
+from triton_kernels.format_table import BF16, FORMATS
 from triton_kernels.geometry import CACHE_FIELDS, TILE, cache_slot, cache_slots
 
 from .config import DMAConfig
-from .formats import quantize, quantize_token_e4m3
+from .formats import Quantized, bf16_copy, quantize, quantize_token_e4m3
 from .kernel_primitive import kernel_primitive
 from .reference import smoothing_mean
 from .rotation import hadamard
@@ -44,24 +44,31 @@ _DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _keys(k: jax.Array, k_mean: jax.Array, config: DMAConfig):
-    """The (low, high) quantizations of keys ``[B, T, H, D]`` after smooth-K's fixed
-    mean ``[B, H, D]`` and the rotation, as ``reference_attention`` forms them."""
+    """The (low, high) copies of keys ``[B, T, H, D]`` after smooth-K's fixed mean
+    ``[B, H, D]`` and the rotation, as ``reference_attention`` forms them: the high copy
+    is ``Quantized``, or the bf16 values for ``high="bf16"``."""
     k32 = k.astype(jnp.float32)
     if config.smooth_k:
         k32 = k32 - k_mean[:, None]
     if config.rotate == "hadamard":
         k32 = hadamard(k32)
     hi_rule, lo_rule = config.scale_rules
-    return quantize(k32, config.low, lo_rule), quantize(k32, config.high, hi_rule)
+    high = bf16_copy(k32) if config.high == BF16 else quantize(k32, config.high, hi_rule)
+    return quantize(k32, config.low, lo_rule), high
 
 
 def _encoded(k: jax.Array, v: jax.Array, mean: jax.Array, config: DMAConfig, v_fp8: bool,
              dtype: str) -> dict[str, jax.Array]:
     """New tokens' arrays by field: the low and high key copies after smooth-K's
     ``mean`` and the rotation, and the values (in ``dtype``, or E4M3 with ``v_fp8``);
-    NVFP4's token scale and the FP8 values' scale only where the cache stores them."""
+    NVFP4's token scale, the high block scales and the FP8 values' scale only where
+    the cache stores them."""
     lo, hi = _keys(jnp.asarray(k), mean, config)
-    out = {"lo_codes": lo.codes, "lo_scales": lo.scales, "hi_codes": hi.codes, "hi_scales": hi.scales}
+    out = {"lo_codes": lo.codes, "lo_scales": lo.scales}
+    if isinstance(hi, Quantized):
+        out["hi_codes"], out["hi_scales"] = hi.codes, hi.scales
+    else:
+        out["hi_codes"] = hi
     if lo.token_scale is not None:
         out["lo_token"] = lo.token_scale
     if v_fp8:
@@ -108,7 +115,8 @@ class LowBitKVCache:
       float32 ``[B, S, H]`` (NVFP4's per-token scale; ``[1, 1, 1]`` for MXFP4): every key
       in ``config.low``.
       hi_codes uint8 ``[B, R, H, D]``, hi_scales uint8 ``[B, R, H, D/32]``: the sink and
-      band keys in ``config.high``, in ``R = sink_len + ring_len`` slots.
+      band keys in ``config.high``, in ``R = sink_len + ring_len`` slots; for
+      ``high="bf16"`` hi_codes holds their bf16 values and hi_scales is ``[1, 1, 1, 1]``.
       v ``[B, S, H, D]``: the values in ``dtype``, or E4M3 codes (uint8) with v_scale
       uint8 ``[B, S, H]`` (E8M0) for ``v_format="fp8"``.
       k_mean float32 ``[B, H, D]``: smooth-K's fixed mean (zeros without smooth-K).
@@ -149,7 +157,8 @@ class LowBitKVCache:
         if config.pv != "input":
             raise ValueError(f"a low-bit KV cache keeps P·V in the input dtype: it needs DMAConfig(pv='input'); "
                              f"got pv={config.pv!r} (use v_format='fp8' for FP8 values)")
-        lo, hi = FORMATS[config.low], FORMATS[config.high]
+        lo = FORMATS[config.low]
+        bf16_high = config.high == BF16
         sink_len, ring_len = cache_slots(capacity, config.sink_tiles, config.diag_tiles)
         grid = (batch, capacity, kv_heads)
         slots = (batch, sink_len + ring_len, kv_heads)
@@ -158,8 +167,9 @@ class LowBitKVCache:
             lo_codes=jnp.zeros((*grid, head_dim // 2), jnp.uint8),
             lo_scales=jnp.zeros((*grid, head_dim // lo.block), jnp.uint8),
             lo_token=jnp.ones(grid if config.low == "nvfp4" else (1, 1, 1), jnp.float32),
-            hi_codes=jnp.zeros((*slots, head_dim), jnp.uint8),
-            hi_scales=jnp.zeros((*slots, head_dim // hi.block), jnp.uint8),
+            hi_codes=jnp.zeros((*slots, head_dim), jnp.bfloat16 if bf16_high else jnp.uint8),
+            hi_scales=jnp.zeros((1, 1, 1, 1) if bf16_high else (*slots, head_dim // FORMATS[config.high].block),
+                                jnp.uint8),
             v=jnp.zeros((*grid, head_dim), jnp.uint8 if fp8 else name),
             v_scale=jnp.zeros(grid if fp8 else (1, 1, 1), jnp.uint8),
             k_mean=jnp.zeros((batch, kv_heads, head_dim), jnp.float32),
@@ -239,12 +249,13 @@ class LowBitKVCache:
         """Cache bytes per token and kv head: the low key copy, the values and, spread
         over ``context`` tokens when given, the high copies' slots."""
         config = config or DMAConfig()
-        lo, hi = FORMATS[config.low], FORMATS[config.high]
+        lo = FORMATS[config.low]
         per: float = head_dim // 2 + head_dim // lo.block + (4 if config.low == "nvfp4" else 0)
         per += head_dim + 1 if v_format == "fp8" else head_dim * jnp.dtype(dtype).itemsize
         if context:
             sink_len, ring_len = cache_slots(context, config.sink_tiles, config.diag_tiles)
-            per += (sink_len + ring_len) * (head_dim + head_dim // hi.block) / context
+            high = 2 * head_dim if config.high == BF16 else head_dim + head_dim // FORMATS[config.high].block
+            per += (sink_len + ring_len) * high / context
         return float(per)
 
 

@@ -19,7 +19,7 @@ from jax.interpreters import ad, batching, mlir
 from .config import DMAConfig
 from .reference import dma_reference
 from .sharding import partitioned
-from .validation import check_attention_inputs, resolve_q_offset
+from .validation import check_attention_inputs, check_prefill_config, resolve_q_offset
 
 __all__ = ["attention", "dma_attention_p"]
 
@@ -120,6 +120,7 @@ def attention(
       NotImplementedError: when differentiated.
     """
     check_attention_inputs(q, k, v, causal=causal, config=config, q_offset=q_offset)
+    check_prefill_config(config)
     if q.shape[0] == 0:  # an empty batch: nothing to compute, on every backend
         return jnp.zeros(q.shape, q.dtype)
     offset = resolve_q_offset(q.shape[1], k.shape[1], q_offset)

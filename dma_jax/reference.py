@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from triton_kernels import geometry
+from triton_kernels.format_table import BF16
 from triton_kernels.query_scale import query_fold, softmax_fold
 
 from .config import DMAConfig
-from .formats import FORMATS, dequantize, fp8_per_channel, fp8_per_tile, fp8_per_token, quantize, round_to_element
+from .formats import (FORMATS, bf16_copy, dequantize, fp8_per_channel, fp8_per_tile, fp8_per_token, quantize,
+                      round_to_element)
 from .rotation import hadamard
 from .validation import check_attention_inputs, resolve_q_offset
 
@@ -140,9 +142,11 @@ def _attend(
 OPERANDS = ("exact", "fp8")
 
 
-def _dequantized(x: jax.Array, fmt: str, rule: str, operands: str, key_tile: int | None = None) -> jax.Array:
+def _dequantized(x: jax.Array, fmt: str, rule: str | None, operands: str, key_tile: int | None = None) -> jax.Array:
     """Q (``key_tile=None``) or K ``[B, L, H, D]`` as the kernel's Q·Kᵀ sees it
-    (``operands``: "exact" or "fp8", see ``dma_reference``)."""
+    (``operands``: "exact" or "fp8", see ``dma_reference``; "bf16" is exact for both)."""
+    if fmt == BF16:
+        return bf16_copy(x).astype(jnp.float32)
     if operands == "fp8" and key_tile:
         values, scale = fp8_per_tile(quantize(x, fmt, rule), fmt, key_tile, axis=1)
         return values * jnp.repeat(scale, key_tile, axis=1)[:, : x.shape[1], :, None]

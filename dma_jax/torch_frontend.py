@@ -8,7 +8,7 @@ from . import bridge
 from .config import DMAConfig
 from .decode import check_decode_inputs
 from .kv_cache import LowBitKVCache
-from .validation import check_attention_inputs, resolve_q_offset
+from .validation import check_attention_inputs, check_prefill_config, resolve_q_offset
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +36,7 @@ def torch_attention(
     from triton_kernels.torch_executor import attention_plan, execute
 
     check_attention_inputs(q, k, v, causal=causal, config=config, q_offset=q_offset)
+    check_prefill_config(config)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .config import DMAConfig
+from .config import PREFILL_HIGH_FORMATS, DMAConfig
 
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -108,6 +108,15 @@ def check_attention_inputs(
         )
     elif abs(int(q_offset)) > MAX_OFFSET:
         raise ValueError(f"q_offset must be within ±{MAX_OFFSET}; got {q_offset}")
+
+
+def check_prefill_config(config: DMAConfig | None) -> None:
+    """The prefill front ends (``attention``, ``torch_attention``) run kernels whose high
+    pairs are 8-bit: ``DMAConfig(high="bf16")`` is a decode cache's format."""
+    if config is not None and config.high not in PREFILL_HIGH_FORMATS:
+        raise ValueError(f"DMAConfig(high={config.high!r}) keeps a decode cache's sink and band keys in bf16 "
+                         f"(dma_jax.LowBitKVCache, reference_attention); attention's kernels take high in "
+                         f"{PREFILL_HIGH_FORMATS}")
 
 
 def _is_traced(value: Any) -> bool:

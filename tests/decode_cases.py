@@ -12,7 +12,8 @@ from dma_jax.formats import dequantize_token_e4m3, quantize_token_e4m3
 
 # (batch, prompt lengths, new rows, q_heads, kv_heads, head_dim, capacity, config, v_format, dtype):
 # one row per run of the kernel (sink, far, the mixed tile, band), rows crossing a
-# tile, a ring that has wrapped, MXFP4, FP8 V, all-high / all-low, no smoothing.
+# tile, a ring that has wrapped, MXFP4, FP8 V, all-high / all-low, no smoothing, and
+# sink and band keys in bf16.
 CASES = [
     (1, (300,), 1, 4, 1, 64, 512, DMAConfig(), "input", jnp.bfloat16),
     (2, (700, 255), 3, 4, 2, 128, 1024, DMAConfig(diag_tiles=2), "input", jnp.bfloat16),
@@ -20,12 +21,14 @@ CASES = [
     (1, (1000,), 1, 2, 1, 64, 1100, DMAConfig.all_low(), "input", jnp.float16),
     (1, (1000,), 1, 2, 1, 64, 1100, DMAConfig.all_high(), "fp8", jnp.float16),
     (1, (900,), 2, 2, 1, 64, 1000, DMAConfig(smooth_k=False, rotate="none"), "fp8", jnp.float32),
+    (2, (300, 129), 2, 4, 2, 64, 512, DMAConfig(high="bf16"), "fp8", jnp.bfloat16),
 ]
 
 
 # (batch, prompt lengths, new tokens, kv_heads, head_dim, capacity, config, v_format, dtype):
 # rows of different lengths; tokens crossing a tile with a NaN key and an Inf value;
-# a ring that has wrapped; positions past the capacity; no smoothing or rotation.
+# a ring that has wrapped; positions past the capacity; no smoothing or rotation; the
+# high copies in bf16, crossing a tile.
 APPEND_CASES = [
     (2, (300, 250), 5, 2, 64, 512, DMAConfig(), "input", jnp.bfloat16),
     (2, (120, 60), 20, 1, 64, 512, DMAConfig(low="mxfp4"), "fp8", jnp.float16),
@@ -33,8 +36,9 @@ APPEND_CASES = [
     (2, (298, 100), 4, 1, 64, 300, DMAConfig(low_rule="4/6"), "input", jnp.float32),
     (1, (129,), 2, 1, 64, 512, DMAConfig(smooth_k=False, rotate="none", diag_tiles=0, sink_tiles=0), "input",
      jnp.bfloat16),
+    (1, (250,), 8, 2, 64, 640, DMAConfig(high="bf16"), "fp8", jnp.float16),
 ]
-APPEND_IDS = ["default", "mxfp4-fp8v-nan", "wrapped-ring-d128", "past-capacity-4over6", "plain"]
+APPEND_IDS = ["default", "mxfp4-fp8v-nan", "wrapped-ring-d128", "past-capacity-4over6", "plain", "bf16-high"]
 
 
 def append_inputs(case):

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 
 from dma_jax import DMAConfig
-from dma_jax.config import ALL_TILES, HIGH_FORMATS, LOW_FORMATS
+from dma_jax.config import ALL_TILES, LOW_FORMATS, PREFILL_HIGH_FORMATS
 from triton_kernels.format_table import FORMATS
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -41,7 +41,7 @@ def structure(seed: int) -> Structure:
         lq, lk = lk, lq
     hkv = int(rng.choice((1, 2, 3)))
     hq = hkv * int(rng.choice((1, 2, 4)))
-    high = str(rng.choice(HIGH_FORMATS))
+    high = str(rng.choice(PREFILL_HIGH_FORMATS))
     low = str(rng.choice(LOW_FORMATS))
     # NVFP4's "floor" rule is left out: it puts the block holding a token's amax exactly
     # on an E4M3 boundary (amax / (6 · amax/2688) = 448), so one ulp of difference in the

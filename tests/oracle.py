@@ -37,6 +37,12 @@ def _cast(values, dtype, vmax):
     return e.view(np.uint8) & (0xF if dtype == ml_dtypes.float4_e2m1fn else 0xFF), e.astype(np.float64)
 
 
+def bf16(x):
+    """``high="bf16"``'s copy: float32 subnormals flushed, ml_dtypes' RTNE cast to
+    bfloat16, as float64."""
+    return _flush(x).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
 def pack(codes):
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
@@ -267,7 +273,9 @@ def dma_attention(q, k, v, *, causal=True, diag=1, sink=1, high="mxfp8_e4m3",
         qs = (q32 * np.float32(fold)).astype(np.float32)
         parts = {}
         for fmt, rule in ((high, high_rule), (low, low_rule)):
-            if operands == "fp8":
+            if fmt == "bf16":  # exact in both operand modes
+                dq, dk = bf16(qs), bf16(k32)
+            elif operands == "fp8":
                 vals, scale = fp8_per_token(qs, fmt, rule)
                 dq = vals * scale[..., None]
                 vals, scale = fp8_per_tile(k32, fmt, rule=rule)

@@ -2,11 +2,13 @@
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from triton_kernels.format_table import FORMATS
 
+import dma_jax
 from dma_jax import DMAConfig
 from dma_jax.config import ALL_TILES
 
@@ -51,7 +53,7 @@ def test_presets():
     ("diag_tiles", -1, r"DMAConfig.diag_tiles must be an int >= 0; got -1"),
     ("diag_tiles", 1.0, r"DMAConfig.diag_tiles must be an int >= 0; got 1.0"),
     ("sink_tiles", True, r"DMAConfig.sink_tiles must be an int >= 0; got True"),
-    ("high", "nvfp4", r"DMAConfig.high must be one of \('mxfp8_e4m3', 'mxfp8_e5m2'\); got 'nvfp4'"),
+    ("high", "nvfp4", r"DMAConfig.high must be one of \('mxfp8_e4m3', 'mxfp8_e5m2', 'bf16'\); got 'nvfp4'"),
     ("low", "int4", r"DMAConfig.low must be one of \('nvfp4', 'mxfp4'\); got 'int4'"),
     ("smooth_k", "yes", r"DMAConfig.smooth_k must be one of \(True, False\); got 'yes'"),
     ("pv", "bf16", r"DMAConfig.pv must be one of \('input', 'fp8'\); got 'bf16'"),
@@ -91,6 +93,23 @@ def test_kernel_options_carry_every_field_the_kernels_need():
 def test_bad_rules_and_rotation(field, value, message):
     with pytest.raises(ValueError, match=message):
         DMAConfig(**{field: value})
+
+
+def test_bf16_high_is_a_decode_cache_format():
+    """``high="bf16"`` has no block scales, and the prefill front ends, whose kernels
+    multiply 8-bit high tiles, name the formats they take."""
+    import torch
+
+    assert DMAConfig(high="bf16").scale_rules == (None, "up")
+    with pytest.raises(ValueError, match="high='bf16' has no block scales; got 'up'"):
+        DMAConfig(high="bf16", high_rule="up")
+    message = r"attention's kernels take high in \('mxfp8_e4m3', 'mxfp8_e5m2'\)"
+    x = jnp.zeros((1, 8, 1, 64), jnp.float32)
+    with pytest.raises(ValueError, match=message):
+        dma_jax.attention(x, x, x, config=DMAConfig(high="bf16"))
+    t = torch.zeros((1, 8, 1, 64))
+    with pytest.raises(ValueError, match=message):
+        dma_jax.torch_attention(t, t, t, config=DMAConfig(high="bf16"))
 
 
 def test_tile_size_is_not_a_config_field():

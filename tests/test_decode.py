@@ -26,14 +26,14 @@ import decode_cases
 import oracle
 
 SLOW = pytest.mark.slow
-CASE_IDS = ["default", "rows-cross-a-tile", "mxfp4-fp8v", "all-low-fp16", "all-high-fp8v", "plain-fp32"]
+CASE_IDS = ["default", "rows-cross-a-tile", "mxfp4-fp8v", "all-low-fp16", "all-high-fp8v", "plain-fp32", "bf16-high"]
 
 
 def _params(fast):
     return [pytest.param(c, id=i, marks=() if i in fast else SLOW) for c, i in zip(decode_cases.CASES, CASE_IDS)]
 
 
-@pytest.mark.parametrize("case", _params(set()))
+@pytest.mark.parametrize("case", _params({"bf16-high"}))
 def test_jnp_decode_equals_full_sequence_reference(case):
     """Decode over the cache computes what reference_attention computes on the full
     sequence for the new rows (same high/low pairs by absolute position, the cache's
@@ -46,7 +46,7 @@ def test_jnp_decode_equals_full_sequence_reference(case):
     assert decode_cases.rel_l2(out, ref) <= 1e-5
 
 
-@pytest.mark.parametrize("case", _params({"default", "mxfp4-fp8v"}))
+@pytest.mark.parametrize("case", _params({"default", "mxfp4-fp8v", "bf16-high"}))
 def test_decode_kernel_equals_full_sequence_reference(case):
     """The split-KV Triton kernel (interpreted on a CPU) against the same oracle: bf16 P rounded
     against the running row max, splits merged afterwards (rel-L2 <= 5e-3)."""
@@ -208,16 +208,22 @@ def test_code_readers_against_ml_dtypes():
     np.testing.assert_array_equal(scale.cpu().numpy()[:128], e4m3[:128])
 
 
+@pytest.mark.parametrize("high", ["mxfp8_e4m3", "bf16"])
 @pytest.mark.parametrize("v_format", ["input", "fp8"])
-def test_bytes_per_token_counts_the_arrays(v_format):
+def test_bytes_per_token_counts_the_arrays(v_format, high):
     """``bytes_per_token`` (per token and kv head) against the arrays' own sizes, and
-    against the formats: NVFP4 keys (64 + 8 + 4 bytes at head_dim 128) and bf16 or
-    E4M3 + E8M0 values."""
-    cache = LowBitKVCache.empty(2, 4096, 3, 128, v_format=v_format)
-    per_token = LowBitKVCache.bytes_per_token(128, v_format=v_format, context=4096)
+    against the formats: NVFP4 keys (64 + 8 + 4 bytes at head_dim 128), bf16 or
+    E4M3 + E8M0 values, and the sink and band copies (128 + 4 bytes in MXFP8, 256 in
+    bf16) in 3 tiles of slots."""
+    config = DMAConfig(high=high)
+    cache = LowBitKVCache.empty(2, 4096, 3, 128, v_format=v_format, config=config)
+    per_token = LowBitKVCache.bytes_per_token(128, v_format=v_format, context=4096, config=config)
     fixed = cache.k_mean.nbytes + cache.length.nbytes + (0 if v_format == "fp8" else cache.v_scale.nbytes)
+    fixed += cache.hi_scales.nbytes if high == "bf16" else 0
     assert (cache.nbytes() - fixed) / (2 * 4096 * 3) == pytest.approx(per_token)
-    assert LowBitKVCache.bytes_per_token(128, v_format=v_format) == 76 + (129 if v_format == "fp8" else 256)
+    values = 129 if v_format == "fp8" else 256
+    assert LowBitKVCache.bytes_per_token(128, v_format=v_format, config=config) == 76 + values
+    assert per_token == pytest.approx(76 + values + 3 * TILE * (256 if high == "bf16" else 132) / 4096)
 
 
 @pytest.mark.parametrize("make, message", [
@@ -237,6 +243,7 @@ def test_bytes_per_token_counts_the_arrays(v_format):
     (lambda c, q: LowBitKVCache.empty(1, 8, 1, 64, dtype=jnp.int32), "dtype must be one of"),
     (lambda c, q: LowBitKVCache.empty(1, 8, 1, 64, config=DMAConfig.hopper_fast()), "pv='input'"),
     (lambda c, q: LowBitKVCache.empty(1, 8, 1, 64, config="default"), "config must be a DMAConfig"),
+    (lambda c, q: DMAConfig(high="bf16", high_rule="up"), "high='bf16' has no block scales"),
 ])
 def test_bad_inputs_are_named(make, message):
     cache = LowBitKVCache.empty(1, 256, 1, 64)

@@ -139,6 +139,24 @@ def test_quantize_outputs_follow_the_format_table():
         assert launch.meta["LO_MAX"] == FORMATS[low].max_value and launch.meta["HI_EMAX"] == FORMATS[high].emax
 
 
+def test_bf16_high_copies_are_values_and_only_for_decode():
+    """``high="bf16"``: Q's decode copy is bf16 values without block scales (HI_E = 8,
+    bf16's exponent bits, in every launch that reads it); the attention kernels and the
+    FP8 copies refuse it."""
+    x = Buffer("x", (2, 3, 4, 64), "bfloat16")
+    launch = plans.quantize_plan(x, Target((9, 0)), high="bf16", low="nvfp4", codes=True).launches[-1]
+    out = {o.name: o for o in launch.outputs}
+    assert (out["x.hi_codes"].shape, out["x.hi_codes"].dtype) == ((2, 3, 4, 64), "bfloat16")
+    assert not out["x.hi_scales"].written and launch.meta["HI_E"] == 8
+    with pytest.raises(ValueError, match="writes codes only"):
+        plans.quantize_plan(x, Target((9, 0)), high="bf16", low="nvfp4", fp8=True)
+    with pytest.raises(ValueError, match="high='bf16' has no block scales"):
+        plans.quantize_plan(x, Target((9, 0)), high="bf16", low="nvfp4", high_rule="up")
+    with pytest.raises(ValueError, match="a decode cache's format"):
+        plans.attention_plan(x, x, x, Target((9, 0)), causal=True, q_offset=0, diag_tiles=1, sink_tiles=1,
+                             high="bf16", low="nvfp4", smooth_k=True, sm_scale=0.125)
+
+
 def test_plan_rejects_extents_beyond_int32():
     q = Buffer("q", (1, 1, 1, 128), "bfloat16")
     k = Buffer("k", (1, 2**24, 1, 128), "bfloat16")
@@ -303,6 +321,9 @@ def test_cache_append_plan_updates_the_cache_in_place():
     assert [(o.name, o.updates) for o in launch.outputs] == [(f, f) for f in CACHE_FIELDS[:-1]]
     assert set(launch.args) >= {"new_k", "new_v", "k_mean", *CACHE_FIELDS}
     assert launch.grid == (1, 3, 2)
+    bf16 = plans.cache_append_plan(k, dataclasses.replace(k, name="new_v"), cache, Target((9, 0)), sink_len=128,
+                                   ring_len=256, v_fp8=False, high="bf16", low="nvfp4")
+    assert bf16.launches[0].meta["HI_E"] == 8
     with pytest.raises(ValueError, match="names of their own"):
         plans.cache_append_plan(dataclasses.replace(k, name="v"), k, cache, Target((9, 0)), sink_len=128,
                                 ring_len=256, v_fp8=False, high="mxfp8_e4m3", low="nvfp4")

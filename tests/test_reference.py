@@ -62,6 +62,17 @@ def test_other_formats_smoothing_and_scale(high, low):
     assert oracle.rel_l2(got, want) < 2e-3
 
 
+@pytest.mark.parametrize("low", ["nvfp4", "mxfp4"])
+def test_bf16_high_pairs_match_float64_oracle(low):
+    """``high="bf16"``: the sink and band pairs from Q and K rounded to bf16 (after
+    smoothing, rotation and Q's fold), the rest in the low format."""
+    q, k, v = make_qkv(3, 1, 300, 400, 4, 2, 64)
+    cfg = DMAConfig(high="bf16", low=low, diag_tiles=1, sink_tiles=1)
+    got = reference_attention(q, k, v, config=cfg, q_offset=100)
+    want = oracle.dma_attention(q, k, v, high="bf16", low=low, q_offset=100)
+    assert oracle.rel_l2(got, want) < 2e-3
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_inputs_round_p_before_pv(dtype):
     np_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float16

@@ -6,7 +6,7 @@ per cache array), each far shorter than the time it takes to launch it. This ker
 does all of it where the token is: it reads the new keys and values once, subtracts
 the cache's fixed smooth-K mean, rotates, quantizes K into the low format (at the
 token's position) and into the high format (at the token's ring slot,
-``geometry.cache_slot``) and V into the cache's value format, and stores the bytes
+``geometry.cache_slot``; bf16 values for ``high="bf16"``) and V into the cache's value format, and stores the bytes
 straight into the cache's arrays, which the executors pass in place (an output that
 updates an input, ``plan.Buffer.updates``). The numbers are ``dma_jax.formats``'
 bit for bit: the quantization is the quantize kernels' ``_quantize_tile``.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mx import mul_flushed
+from .mx import BF16_EXP_BITS, mul_flushed, to_bf16
 from .quantize import _quantize_tile, _tokens
 from .rotation import hadamard_rows
 
@@ -68,9 +68,12 @@ def _cache_append_kernel(
     _quantize_tile(x, rows, cols, keep, 1.0, lo_codes, lo_scales, lo_token, lo_codes, lo_token,
                    LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, LO_RULE, BLOCK_T, D,
                    True, False, False, HW_CVT, False)
-    _quantize_tile(x, slot_rows, cols, keep, 1.0, hi_codes, hi_scales, lo_token, hi_codes, lo_token,
-                   HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, HI_RULE, BLOCK_T, D,
-                   True, False, False, HW_CVT, False)
+    if HI_E == BF16_EXP_BITS:  # DMAConfig(high="bf16"): the values themselves
+        tl.store(hi_codes + slot_rows[:, None] * D + cols[None, :], to_bf16(x, HW_CVT), mask=keep[:, None])
+    else:
+        _quantize_tile(x, slot_rows, cols, keep, 1.0, hi_codes, hi_scales, lo_token, hi_codes, lo_token,
+                       HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, HI_RULE, BLOCK_T, D,
+                       True, False, False, HW_CVT, False)
 
     y = _tokens(v_ptr, n, H, t, b, h, D, n)
     if V_FP8:

@@ -6,7 +6,8 @@ quarter of a bf16 one. So the kernel reads the cache's codes and decodes them in
 registers (integer arithmetic, ``mx.element_value``); there is no FP8 copy to make.
 Decoded operands are exact in bf16: an MX value is a 2-4 bit significand times a
 power of two, NVFP4's ``e · sb`` has at most 6 significant bits, and NVFP4's per-token
-``s2`` multiplies the scores afterwards. Products of bf16 values are exact in the
+``s2`` multiplies the scores afterwards; ``DMAConfig(high="bf16")``'s copies are bf16
+values already. Products of bf16 values are exact in the
 fp32 accumulator, so the scores are the reference's up to summation order.
 
 One program per (key split, kv head, batch row) takes every query head of its kv head
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .geometry import TILE
-from .mx import e4m3_value, element_value, pow2, round_to_bf16
+from .mx import BF16_EXP_BITS, e4m3_value, element_value, pow2, round_to_bf16
 
 _TILE = tl.constexpr(TILE)
 
@@ -216,11 +217,18 @@ def _low_keys(codes_ptr, scales_ptr, rows, mask, D: tl.constexpr, R: tl.constexp
 @triton.jit
 def _high_keys(codes_ptr, scales_ptr, rows, mask, D: tl.constexpr, R: tl.constexpr, EXP_BITS: tl.constexpr,
                HW_CVT: tl.constexpr, DOT_F32: tl.constexpr):
-    """8-bit MX rows ``[R, D]``, each element times its block scale."""
+    """8-bit MX rows ``[R, D]``, each element times its block scale; or, with bf16's
+    EXP_BITS (``DMAConfig(high="bf16")``), the bf16 rows themselves."""
     cols = tl.arange(0, D)
     codes = tl.load(codes_ptr + rows[:, None] * D + cols[None, :], mask=mask[:, None], other=0)
-    scales = _block_scales(scales_ptr, rows, mask, D // 32, False, HW_CVT)
-    return _scaled(_fp8(codes, EXP_BITS, HW_CVT, DOT_F32), scales, R, D, D // 32, DOT_F32)
+    # (One return after the branch: the compiler, unlike the interpreter, would still
+    # build the code after a return inside a compile-time branch.)
+    if EXP_BITS == BF16_EXP_BITS:
+        keys = _as_operand(codes.to(tl.float32), DOT_F32)
+    else:
+        scales = _block_scales(scales_ptr, rows, mask, D // 32, False, HW_CVT)
+        keys = _scaled(_fp8(codes, EXP_BITS, HW_CVT, DOT_F32), scales, R, D, D // 32, DOT_F32)
+    return keys
 
 
 @triton.jit

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["E4M3", "FORMATS", "Format", "NVFP4_TOKEN_DIVISOR", "SCALE_RULES", "VALUE_SCALE_RULE", "check_rule"]
+__all__ = ["BF16", "BF16_EXP_BITS", "BF16_MAX", "E4M3", "FORMATS", "Format", "NVFP4_TOKEN_DIVISOR", "SCALE_RULES", "VALUE_SCALE_RULE", "check_rule"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,13 @@ FORMATS: dict[str, Format] = {
     )
 }
 
+# The high "format" without block scales (``DMAConfig(high="bf16")``): Q and K kept as
+# bfloat16 values after smoothing and rotation. A decode cache reads its few sink and
+# band keys once per step, so their precision costs next to nothing there.
+BF16 = "bf16"
+# What the kernels take for its element exponent bits (HI_E): bf16's own, 8.
+BF16_EXP_BITS = 8
+BF16_MAX = (2 - 2**-7) * 2.0**127
 # E4M3 elements: MXFP8's default element, NVFP4's block scale, and the FP8 copies that
 # Hopper's tensor cores read.
 E4M3 = FORMATS["mxfp8_e4m3"]

@@ -7,7 +7,7 @@ reproduce ``dma_jax.formats`` bit for bit (docs/design.md, "Formats").
 import triton
 import triton.language as tl
 
-from .format_table import E4M3
+from .format_table import BF16_EXP_BITS as _BF16_EXP_BITS, E4M3
 
 FLOAT32_NORMAL_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126
 # E4M3's element parameters, readable inside @triton.jit functions.
@@ -15,6 +15,8 @@ E4M3_EXP_BITS = tl.constexpr(E4M3.exp_bits)
 E4M3_MAN_BITS = tl.constexpr(E4M3.man_bits)
 E4M3_EMIN = tl.constexpr(E4M3.emin)
 E4M3_MAX = tl.constexpr(E4M3.max_value)
+# The high format "bf16" (values stored unscaled) by its exponent bits.
+BF16_EXP_BITS = tl.constexpr(_BF16_EXP_BITS)
 
 @triton.jit
 def pow2(e):
@@ -273,6 +275,15 @@ def round_to_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
     return tl.where(x == x, rounded.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def to_bf16(x, HW_CVT: tl.constexpr):
+    """float32 -> bf16, rounded to nearest even: the GPU's conversion, or in the
+    interpreter (which truncates) ``round_to_bf16`` first."""
+    if not HW_CVT:
+        x = round_to_bf16(x)
+    return x.to(tl.bfloat16)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from . import cache_append as append
 from . import decode as dec
 from . import quantize as quant
 from . import tuning
-from .format_table import E4M3, FORMATS, VALUE_SCALE_RULE, check_rule
+from .format_table import BF16, BF16_EXP_BITS, BF16_MAX, E4M3, FORMATS, VALUE_SCALE_RULE, check_rule
 from .geometry import CACHE_FIELDS, TILE, all_high, band_covering_all, check_extent, padded_length, query_blocks
 from .query_scale import query_fold, softmax_fold
 from .target import Target, resolve_native, uses_sm90_kernel
@@ -151,6 +151,20 @@ def fp8_transpose_plan(v: Buffer, target: Target, prefix: str = "") -> Plan:
 
 # -- dual quantization ----------------------------------------------------------------
 
+def _high_meta(high: str, rule: str | None) -> dict[str, Any]:
+    """The HI_* constexprs of the high format ``high`` with block-scale ``rule``.
+    ``"bf16"`` (no block scales, no rule) is HI_E = 8, bf16's exponent bits: the
+    kernels store and read its values unscaled, and no other HI_* is read."""
+    if high == BF16:
+        if rule is not None:
+            raise ValueError(f"high='bf16' has no block scales; got high_rule={rule!r}")
+        return dict(HI_E=BF16_EXP_BITS, HI_M=7, HI_EMIN=-126, HI_EMAX=127, HI_MAX=BF16_MAX, HI_BLOCK=32,
+                    HI_RULE="none")
+    hi = FORMATS[high]
+    return dict(HI_E=hi.exp_bits, HI_M=hi.man_bits, HI_EMIN=hi.emin, HI_EMAX=hi.emax, HI_MAX=hi.max_value,
+                HI_BLOCK=hi.block, HI_RULE=check_rule(hi, rule))
+
+
 def _quantize_outputs(prefix: str, shape: tuple[int, ...], high: str, low: str, *, codes: bool, fp8: bool,
                       write_lo: bool, per_tile: bool, lo_bf16: bool) -> tuple[Buffer, ...]:
     """The nine outputs (``OPERAND_FIELDS``): codes, scales and NVFP4's per-token
@@ -162,9 +176,10 @@ def _quantize_outputs(prefix: str, shape: tuple[int, ...], high: str, low: str, 
     ts = (b, -(-length // TILE) if per_tile else length, h)
     lo_ts = (b, length, h) if lo_bf16 else ts
     lo_codes, lo_fp8 = codes and write_lo, fp8 and write_lo
+    bf16_high = high == BF16
     specs = (
-        ((b, length, h, d), "uint8", codes),
-        ((b, length, h, d // FORMATS[high].block), "uint8", codes),
+        ((b, length, h, d), "bfloat16" if bf16_high else "uint8", codes),
+        ((b, length, h, d // (32 if bf16_high else FORMATS[high].block)), "uint8", codes and not bf16_high),
         ((b, length, h, d // 2), "uint8", lo_codes),
         ((b, length, h, d // FORMATS[low].block), "uint8", lo_codes),
         ((b, length, h), "float32", lo_codes and low == "nvfp4"),
@@ -194,13 +209,15 @@ def _quantize(x: Buffer, prefix: str, target: Target, *, high: str, low: str, fo
     if lo_bf16 and (low != "nvfp4" or not fp8):
         raise ValueError(f"lo_bf16 is NVFP4's exact copy: it needs low='nvfp4' and fp8=True; got low={low!r}, "
                          f"fp8={fp8}")
+    if high == BF16 and fp8:
+        raise ValueError("high='bf16' is a decode cache's format: its quantize launch writes codes only (fp8=False)")
     b, length, h, d = x.shape
     tile_t = tuning.k_tile_tokens(x.shape) if tile_t is None else tile_t
     if per_tile and (TILE % tile_t or tile_t % block_t):
         raise ValueError(f"per_tile programs take a multiple of block_t={block_t} tokens that divides {TILE}, "
                          f"got tile_t={tile_t}")
-    hi, lo = FORMATS[high], FORMATS[low]
-    high_rule, low_rule = check_rule(hi, high_rule), check_rule(lo, low_rule)
+    lo = FORMATS[low]
+    low_rule = check_rule(lo, low_rule)
     if rotate and x.shape[3] & (x.shape[3] - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim; got {x.shape[3]}")
     if mean is None:
@@ -215,8 +232,7 @@ def _quantize(x: Buffer, prefix: str, target: Target, *, high: str, low: str, fo
                           lo_bf16=lo_bf16),
         _meta(D=d, BLOCK_T=block_t, SMOOTH=mean is not None, COUNTED=mean is not None and mean[1] is not None,
               ROTATE=rotate, WRITE_CODES=codes, WRITE_FP8=fp8,
-              WRITE_LO=write_lo, HI_E=hi.exp_bits, HI_M=hi.man_bits, HI_EMIN=hi.emin, HI_EMAX=hi.emax,
-              HI_MAX=hi.max_value, HI_BLOCK=hi.block, HI_RULE=high_rule, LO_E=lo.exp_bits, LO_M=lo.man_bits,
+              WRITE_LO=write_lo, **_high_meta(high, high_rule), LO_E=lo.exp_bits, LO_M=lo.man_bits,
               LO_EMIN=lo.emin, LO_EMAX=lo.emax, LO_MAX=lo.max_value, LO_BLOCK=lo.block, LO_NVFP4=low == "nvfp4",
               LO_RULE=low_rule, TILE_T=step, PER_TILE=per_tile,
               HW_CVT=not target.interpret, FTZ_FOLD=ftz_multiplier(fold), LO_BF16=lo_bf16),
@@ -317,6 +333,8 @@ def attention_plan(q: Buffer, k: Buffer, v: Buffer, target: Target, *, causal: b
     fp8 = not all(tiles)
     if nvfp4_copy not in ("bf16", "e4m3"):
         raise ValueError(f"nvfp4_copy must be 'bf16' or 'e4m3'; got {nvfp4_copy!r}")
+    if high == BF16:
+        raise ValueError("high='bf16' is a decode cache's format; the attention kernels take an MXFP8 high format")
     lo_bf16 = has_lo and low == "nvfp4" and not tiles[1] and nvfp4_copy == "bf16"
     copies: dict[str, Any] = dict(high=high, low=low, codes=any(tiles), fp8=fp8, write_lo=has_lo,
                                   high_rule=high_rule, low_rule=low_rule, rotate=rotate, lo_bf16=lo_bf16)
@@ -391,7 +409,7 @@ def decode_plan(q: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len
     block_m = max(16, 1 << (group * n_q - 1).bit_length())
     split_len = tuning.decode_split_len(b, kv_heads, capacity, launch)
     n_split = -(-capacity // split_len)
-    hi, lo = FORMATS[high], FORMATS[low]
+    lo = FORMATS[low]
     partial = (b, kv_heads, n_split, block_m)
     attend = Launch(
         dec._dma_decode_kernel, (n_split, kv_heads, b),
@@ -400,7 +418,8 @@ def decode_plan(q: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len
          _i32(sink), _i32(split_len)),
         (Buffer("acc", (*partial, d), "float32"), Buffer("row_max", partial, "float32"),
          Buffer("row_sum", partial, "float32")),
-        _meta(D=d, GROUP=group, BLOCK_M=block_m, BLOCK_N=launch.block_n, HI_E=hi.exp_bits, LO_BLOCK=lo.block,
+        _meta(D=d, GROUP=group, BLOCK_M=block_m, BLOCK_N=launch.block_n, HI_E=_high_meta(high, high_rule)["HI_E"],
+              LO_BLOCK=lo.block,
               LO_NV=low == "nvfp4", HAS_LO=has_lo, HAS_HI=has_hi, MIXED=n_q > 1, V_FP8=v_fp8,
               # Lifted FP8 values need P·V in bf16 (the interpreter runs their float32
               # emulation); fp16 and fp32 inputs convert them.
@@ -435,16 +454,15 @@ def cache_append_plan(k: Buffer, v: Buffer, cache: dict[str, Buffer], target: Ta
     check_extent(capacity, h, d)
     if rotate and d & (d - 1):
         raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim; got {d}")
-    hi, lo, values = FORMATS[high], FORMATS[low], E4M3  # V's FP8 elements, one block per token
-    high_rule, low_rule = check_rule(hi, high_rule), check_rule(lo, low_rule)
+    lo, values = FORMATS[low], E4M3  # V's FP8 elements, one block per token
+    low_rule = check_rule(lo, low_rule)
     fields = CACHE_FIELDS[:-1]  # every array but length
     launch = Launch(
         append._cache_append_kernel, (-(-n // block_t), h, b),
         (k.name, v.name, "k_mean", "length", *fields, _i32(n), _i32(capacity), _i32(cache["hi_codes"].shape[1]),
          _i32(h), _i32(sink_len), _i32(ring_len)),
         tuple(dataclasses.replace(cache[f], name=f, updates=f) for f in fields),
-        _meta(D=d, BLOCK_T=block_t, SMOOTH=smooth_k, ROTATE=rotate, HI_E=hi.exp_bits, HI_M=hi.man_bits,
-              HI_EMIN=hi.emin, HI_EMAX=hi.emax, HI_MAX=hi.max_value, HI_BLOCK=hi.block, HI_RULE=high_rule,
+        _meta(D=d, BLOCK_T=block_t, SMOOTH=smooth_k, ROTATE=rotate, **_high_meta(high, high_rule),
               LO_E=lo.exp_bits, LO_M=lo.man_bits, LO_EMIN=lo.emin, LO_EMAX=lo.emax, LO_MAX=lo.max_value,
               LO_BLOCK=lo.block, LO_NVFP4=low == "nvfp4", LO_RULE=low_rule, V_FP8=v_fp8, V_E=values.exp_bits,
               V_M=values.man_bits, V_EMIN=values.emin, V_EMAX=values.emax, V_MAX=values.max_value,

@@ -33,9 +33,10 @@ import triton.language as tl
 
 from .format_table import NVFP4_TOKEN_DIVISOR
 from .geometry import TILE
-from .mx import (E4M3_EMIN, E4M3_EXP_BITS, E4M3_MAN_BITS, abs_max, div_by, e4m3_bytes, e4m3_bytes_on_grid_or_small,
-                 e4m3_scale, element_code, exponent, flush_subnormals, mul_flushed, mx_exponent, nan_max, pairwise_sum,
-                 pow2, round_e2m1, round_e4m3, round_to_e4m3_emulated, round_to_element)
+from .mx import (BF16_EXP_BITS, E4M3_EMIN, E4M3_EXP_BITS, E4M3_MAN_BITS, abs_max, div_by, e4m3_bytes,
+                 e4m3_bytes_on_grid_or_small, e4m3_scale, element_code, exponent, flush_subnormals, mul_flushed,
+                 mx_exponent, nan_max, pairwise_sum, pow2, round_e2m1, round_e4m3, round_to_e4m3_emulated,
+                 round_to_element, to_bf16)
 from .rotation import hadamard_rows
 
 # _nvfp4_s2: the divisor, fl(1/divisor), and the smallest token amax whose s2 is a
@@ -427,7 +428,8 @@ def _dual_quantize_kernel(
     """One program per (TILE_T tokens, head, batch) of x [B, L, H, D] (contiguous),
     quantized BLOCK_T tokens at a time: ``(x - mean)``, rotated with ROTATE, times
     ``fold``, into the high and the low format with the block-scale rules HI_RULE and
-    LO_RULE.
+    LO_RULE. HI_E = 8 (bf16's exponent bits, ``DMAConfig(high="bf16")``, codes only):
+    the high copy is the bf16 values themselves.
 
     PER_TILE (K on sm_90): the FP8 copies get one scale per ``TILE`` tokens (the
     attention tile), written to ``*_ts`` as [B, cdiv(L, TILE), H] by the tile's first
@@ -462,9 +464,12 @@ def _dual_quantize_kernel(
         # Flattened token index in [B, L, H] order: outputs are [B, L, H, ...].
         rows = (b * L + t) * H + h
         x = _prepared(x_ptr, mean, fold, L, H, t, b, h, D, SMOOTH, ROTATE, HW_CVT, FTZ_FOLD, False)
-        _quantize_tile(x, rows, cols, mask, hi_ref, hi_codes, hi_scales, lo_token, hi_f8, hi_ts,
-                       HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, HI_RULE, BLOCK_T, D, WRITE_CODES,
-                       WRITE_FP8, PER_TILE, HW_CVT, False)
+        if HI_E == BF16_EXP_BITS:
+            tl.store(hi_codes + rows[:, None] * D + cols[None, :], to_bf16(x, HW_CVT), mask=mask[:, None])
+        else:
+            _quantize_tile(x, rows, cols, mask, hi_ref, hi_codes, hi_scales, lo_token, hi_f8, hi_ts,
+                           HI_E, HI_M, HI_EMIN, HI_EMAX, HI_MAX, HI_BLOCK, False, HI_RULE, BLOCK_T, D, WRITE_CODES,
+                           WRITE_FP8, PER_TILE, HW_CVT, False)
         if WRITE_LO:
             _quantize_tile(x, rows, cols, mask, lo_ref, lo_codes, lo_scales, lo_token, lo_f8, lo_ts,
                            LO_E, LO_M, LO_EMIN, LO_EMAX, LO_MAX, LO_BLOCK, LO_NVFP4, LO_RULE, BLOCK_T, D,
