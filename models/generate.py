@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dma_jax import DMAConfig
-from dma_jax.config import HIGH_FORMATS, LOW_FORMATS
+from dma_jax.config import HIGH_FORMATS, LOW_FORMATS, PREFILL_HIGH_FORMATS
 
 from .decoding import CHUNK, Sampling, Timings, generate, generate_batch, sample
 from .llama import AttentionSpec, Llama, load_checkpoint
@@ -107,7 +107,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--diag-tiles", type=int, default=DMAConfig.diag_tiles, help="DMA: high-precision diagonal band")
     p.add_argument("--sink-tiles", type=int, default=DMAConfig.sink_tiles, help="DMA: high-precision first key tiles")
     p.add_argument("--low", default=DMAConfig.low, choices=LOW_FORMATS, help="DMA: the 4-bit format")
-    p.add_argument("--high", default=DMAConfig.high, choices=HIGH_FORMATS, help="DMA: the 8-bit format")
+    p.add_argument("--high", default=DMAConfig.high, choices=PREFILL_HIGH_FORMATS, help="DMA: the 8-bit format")
+    p.add_argument("--decode-high", default=None, choices=HIGH_FORMATS,
+                   help="with --decode-attention dma: the high format of the cache's sink and band keys "
+                        "(default: --high; bf16: unquantized)")
     p.add_argument("--checkpoint", default=None, help="HF directory or .gguf (default: the embedded SmolLM2-135M)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="compute dtype; auto: bfloat16 on a GPU, float32 elsewhere")
@@ -130,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         sampling = Sampling(args.temperature, args.top_p, args.seed)
         dma = DMAConfig(diag_tiles=args.diag_tiles, sink_tiles=args.sink_tiles, high=args.high, low=args.low)
-        spec = AttentionSpec.named(args.attention, dma=dma, decode=args.decode_attention, kv_cache=args.kv_cache)
+        spec = AttentionSpec.named(args.attention, dma=dma, decode=args.decode_attention, kv_cache=args.kv_cache,
+                                   decode_high=args.decode_high)
     except ValueError as e:
         p.error(str(e))
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")

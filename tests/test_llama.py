@@ -96,11 +96,13 @@ def test_batch_of_prompts_of_different_lengths_decodes_each_row_as_alone(tmp_pat
             np.testing.assert_allclose(np.stack(got[r]), want, atol=1e-4)
 
 
-@pytest.mark.parametrize("kv_cache", ["input", pytest.param("fp8", marks=pytest.mark.slow)])
-def test_dma_decode_equals_full_forward_with_reference_last_row(tmp_path, kv_cache):
+@pytest.mark.parametrize("kv_cache, decode_high", [("input", None), pytest.param("fp8", "bf16",
+                                                                                 marks=pytest.mark.slow)])
+def test_dma_decode_equals_full_forward_with_reference_last_row(tmp_path, kv_cache, decode_high):
     """Decode over the low-bit cache (rows of different lengths, one length shared by the
     layers) gives the logits of a full forward whose newest row attends through
-    reference_attention on the whole sequence with the cache's fixed smooth-K mean (and
+    reference_attention on the whole sequence with the cache's config (``decode_high``
+    in place of MXFP8) and fixed smooth-K mean (and
     V rounded to E4M3 per token for kv_cache="fp8"), every earlier row through exact
     attention (the prefill's)."""
     _, path = tiny_hf(tmp_path, head_dim=64)
@@ -109,7 +111,7 @@ def test_dma_decode_equals_full_forward_with_reference_last_row(tmp_path, kv_cac
     lengths = [150, 131]
     tokens = jnp.asarray(rng.integers(0, 300, (2, 151)))
     spec = AttentionSpec(prefill="exact", decode="dma", dma=dma_jax.DMAConfig(diag_tiles=1, sink_tiles=0),
-                         kv_cache=kv_cache)
+                         kv_cache=kv_cache, decode_high=decode_high)
     _, cache = model.prefill(tokens[:, :150], new_cache(model.config, spec, 2, 256), spec,
                              lengths=jnp.asarray(lengths), last_only=True)
     means = [layer.k_mean for layer in cache.layers]
@@ -130,8 +132,9 @@ def test_dma_decode_equals_full_forward_with_reference_last_row(tmp_path, kv_cac
             last_v = v
             if kv_cache == "fp8":
                 last_v = dma_jax.formats.dequantize_token_e4m3(dma_jax.formats.quantize_token_e4m3(v)).astype(v.dtype)
-            last = dma_jax.reference_attention(q[:, -1:], k, last_v, config=spec.dma_config(model.config.head_dim**-0.5),
-                                               k_mean=means[i][r:r + 1])
+            config = spec.cache_config(model.config.head_dim**-0.5)
+            assert config.high == (decode_high or "mxfp8_e4m3")
+            last = dma_jax.reference_attention(q[:, -1:], k, last_v, config=config, k_mean=means[i][r:r + 1])
             earlier = AttentionSpec().prefill_fn(q, k, v, sm_scale=model.config.head_dim**-0.5)
             return earlier.at[:, -1:].set(last)
 
@@ -297,6 +300,10 @@ def test_bad_attention_names_and_configs(tmp_path):
         AttentionSpec(prefill="dma", decode="flash")
     with pytest.raises(ValueError, match=r"kv_cache must be one of \('input', 'fp8'\); got 'int4'"):
         AttentionSpec(decode="dma", kv_cache="int4")
+    with pytest.raises(ValueError, match=r"decode_high must be None or one of \('mxfp8_e4m3', 'mxfp8_e5m2', 'bf16'\)"):
+        AttentionSpec(decode="dma", decode_high="nvfp4")
+    with pytest.raises(ValueError, match="decode_high='bf16' is a format of DMA decode's cache: it needs decode='dma'"):
+        AttentionSpec.named("dma", decode_high="bf16")
     x = jnp.zeros((1, 1, 2, 64))
     with pytest.raises(ValueError, match="decode='dma' reads a dma_jax.LowBitKVCache"):
         AttentionSpec(decode="dma").decode_fn(x, x, x, q_offset=0, kv_len=1, sm_scale=0.125)

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 
 import dma_jax
+from dma_jax.config import HIGH_FORMATS
+from triton_kernels.format_table import BF16
 
 ATTENTION_NAMES = ("exact", "xla", "bf16", "cudnn", "dma")
 DECODE_NAMES = ("exact", "xla", "bf16", "cudnn", "dma")
@@ -88,13 +90,16 @@ class AttentionSpec:
 
     ``prefill``: one of ``ATTENTION_NAMES``; ``decode``: one of ``DECODE_NAMES``.
     ``dma`` configures DMA (prefill and decode); ``kv_cache``: the values' format in
-    DMA decode's cache, ``"input"`` (the compute dtype) or ``"fp8"``.
+    DMA decode's cache, ``"input"`` (the compute dtype) or ``"fp8"``; ``decode_high``:
+    the high format of DMA decode's cache (``dma.high`` for ``None``; ``"bf16"`` keeps
+    its sink and band keys unquantized).
     """
 
     prefill: str = "exact"
     decode: str = "exact"
     dma: dma_jax.DMAConfig = dma_jax.DMAConfig()
     kv_cache: str = "input"
+    decode_high: str | None = None
 
     def __post_init__(self) -> None:
         if self.prefill not in ATTENTION_NAMES:
@@ -103,18 +108,24 @@ class AttentionSpec:
             raise ValueError(f"decode attention must be one of {DECODE_NAMES}; got {self.decode!r}")
         if self.kv_cache not in KV_CACHE_FORMATS:
             raise ValueError(f"kv_cache must be one of {KV_CACHE_FORMATS}; got {self.kv_cache!r}")
+        if self.decode_high is not None and self.decode_high not in HIGH_FORMATS:
+            raise ValueError(f"decode_high must be None or one of {HIGH_FORMATS}; got {self.decode_high!r}")
         if self.kv_cache != "input" and self.decode != "dma":
             raise ValueError(f"kv_cache={self.kv_cache!r} is the format of DMA decode's cache: it needs decode='dma'; "
                              f"got decode={self.decode!r}")
+        if self.decode_high is not None and self.decode != "dma":
+            raise ValueError(f"decode_high={self.decode_high!r} is a format of DMA decode's cache: it needs "
+                             f"decode='dma'; got decode={self.decode!r}")
 
     @classmethod
     def named(cls, name: str, dma: dma_jax.DMAConfig | None = None, decode: str | None = None,
-              kv_cache: str = "input") -> "AttentionSpec":
+              kv_cache: str = "input", decode_high: str | None = None) -> "AttentionSpec":
         """``"dma"`` means DMA prefill with exact decode (the paper's setting)."""
         if name not in ATTENTION_NAMES:
             raise ValueError(f"unknown attention {name!r}; expected one of {ATTENTION_NAMES}")
         default_decode = "exact" if name == "dma" else name
-        return cls(prefill=name, decode=decode or default_decode, dma=dma or dma_jax.DMAConfig(), kv_cache=kv_cache)
+        return cls(prefill=name, decode=decode or default_decode, dma=dma or dma_jax.DMAConfig(), kv_cache=kv_cache,
+                   decode_high=decode_high)
 
     @property
     def low_bit_cache(self) -> bool:
@@ -124,6 +135,14 @@ class AttentionSpec:
     def dma_config(self, sm_scale: float) -> dma_jax.DMAConfig:
         """``dma`` with the model's softmax scale."""
         return dataclasses.replace(self.dma, sm_scale=sm_scale)
+
+    def cache_config(self, sm_scale: float) -> dma_jax.DMAConfig:
+        """DMA decode's config (its cache's formats): ``dma_config`` with ``decode_high``."""
+        config = self.dma_config(sm_scale)
+        if self.decode_high is None or self.decode_high == config.high:
+            return config
+        rule = None if BF16 in (self.decode_high, config.high) else config.high_rule
+        return dataclasses.replace(config, high=self.decode_high, high_rule=rule)
 
     def prefill_fn(self, q, k, v, *, sm_scale):
         """Causal attention over a fresh prompt (queries = keys = positions 0..T-1)."""

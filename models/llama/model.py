@@ -88,7 +88,7 @@ class LowBitCache:
     @classmethod
     def empty(cls, config: LlamaConfig, spec: AttentionSpec, batch: int, max_len: int,
               dtype=jnp.float32) -> "LowBitCache":
-        cfg = spec.dma_config(config.head_dim**-0.5)
+        cfg = spec.cache_config(config.head_dim**-0.5)
         layers = [dma_jax.LowBitKVCache.empty(batch, max_len, config.num_kv_heads, config.head_dim, dtype=dtype,
                                               config=cfg, v_format=spec.kv_cache) for _ in range(config.num_layers)]
         return cls.of(layers, layers[0].length)
