@@ -44,8 +44,8 @@ from triton_kernels.geometry import TILE
 
 from .validation import dtype_name, is_array
 
-__all__ = ["FORMATS", "Format", "Quantized", "bf16_copy", "get_format", "quantize", "dequantize", "fp8_per_token", "fp8_per_tile",
-           "fp8_per_channel", "quantize_token_e4m3", "dequantize_token_e4m3"]
+__all__ = ["FORMATS", "Format", "Quantized", "bf16_copy", "get_format", "quantize", "dequantize", "fp8_per_token",
+           "fp8_per_tile", "fp8_per_channel", "quantize_token_e4m3", "dequantize_token_e4m3"]
 
 _MIN_NORMAL_F32 = np.float32(2.0**-126)
 

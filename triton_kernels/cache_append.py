@@ -6,8 +6,8 @@ per cache array), each far shorter than the time it takes to launch it. This ker
 does all of it where the token is: it reads the new keys and values once, subtracts
 the cache's fixed smooth-K mean, rotates, quantizes K into the low format (at the
 token's position) and into the high format (at the token's ring slot,
-``geometry.cache_slot``; bf16 values for ``high="bf16"``) and V into the cache's value format, and stores the bytes
-straight into the cache's arrays, which the executors pass in place (an output that
+``geometry.cache_slot``; bf16 values for ``high="bf16"``) and V into the cache's value
+format, and stores the bytes straight into the cache's arrays, which the executors pass in place (an output that
 updates an input, ``plan.Buffer.updates``). The numbers are ``dma_jax.formats``'
 bit for bit: the quantization is the quantize kernels' ``_quantize_tile``.
 

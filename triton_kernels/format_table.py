@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["BF16", "BF16_EXP_BITS", "BF16_MAX", "E4M3", "FORMATS", "Format", "NVFP4_TOKEN_DIVISOR", "SCALE_RULES", "VALUE_SCALE_RULE", "check_rule"]
+__all__ = ["BF16", "BF16_EXP_BITS", "BF16_MAX", "E4M3", "FORMATS", "Format", "NVFP4_TOKEN_DIVISOR", "SCALE_RULES",
+           "VALUE_SCALE_RULE", "check_rule"]
 
 
 @dataclasses.dataclass(frozen=True)
