@@ -5,11 +5,12 @@ context length and depth, a random 5-digit key is placed in a sentence at that
 fraction of the haystack, and the model is asked for it through its chat
 template. The same prompt goes to every attention configuration (DMA runs the
 prefill and decode is exact, as in the paper, or DMA decodes too over its low-bit
-KV cache: "+ DMA decode"). A hit is an answer whose first
-5-digit number is the key. Prints a table of hits per depth and length and
-writes JSON.
+KV cache: "+ DMA decode", with its sink and band keys in MXFP8 or in bf16). A hit is
+an answer whose first 5-digit number is the key. Prints a table of hits per depth and
+length and writes JSON.
 
     python benchmarks/passkey.py [--lengths 1024 2048 4096 8192] [--depths 0.1 0.3 0.5 0.7 0.9]
+        [--configs NAME ...]
 """
 
 from __future__ import annotations
