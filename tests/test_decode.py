@@ -5,6 +5,9 @@ while the band moves through the cache's ring of high copies; the FP8 values aga
 ``ml_dtypes``; the cache's bytes; bad inputs."""
 
 import dataclasses
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,7 @@ from triton_kernels.tuning import DecodeConfig
 
 import decode_cases
 import oracle
+from conftest import TRITON_39, compiler_env
 
 SLOW = pytest.mark.slow
 CASE_IDS = ["default", "rows-cross-a-tile", "mxfp4-fp8v", "all-low-fp16", "all-high-fp8v", "plain-fp32", "bf16-high"]
@@ -292,3 +296,43 @@ def test_decode_and_append_have_no_gradient():
         jax.grad(lambda q: decode_attention(q, cache.append(k, k)).sum())(q)
     with pytest.raises(NotImplementedError, match="LowBitKVCache.append is inference-only"):
         jax.grad(lambda k: cache.append(k, k).v.sum())(k)
+
+
+COMPILE_FOR_SM90 = """
+import sys
+import jax.numpy as jnp
+from dma_jax import DMAConfig, LowBitKVCache
+from triton_kernels.aot import compile_kernel
+from triton_kernels.geometry import CACHE_FIELDS
+from triton_kernels.plan import Buffer, cache_append_plan, decode_plan
+from triton_kernels.target import Target
+
+config = DMAConfig(high=sys.argv[1])
+empty = LowBitKVCache.empty(2, 512, 2, 64, config=config, v_format="fp8")
+cache = {f: Buffer(f, getattr(empty, f).shape, jnp.dtype(getattr(empty, f).dtype).name) for f in CACHE_FIELDS}
+sink_len, ring_len = empty.slots
+new = Buffer("new_k", (2, 2, 2, 64), "bfloat16")
+plans = [(decode_plan(Buffer("q", (2, 2, 4, 64), "bfloat16"), cache, Target((9, 0)), sink_len=sink_len,
+                      ring_len=ring_len, v_fp8=True, **config.decode_options(64)), {"q": "bfloat16"}),
+         (cache_append_plan(new, Buffer("new_v", new.shape, new.dtype), cache, Target((9, 0)), sink_len=sink_len,
+                            ring_len=ring_len, v_fp8=True, **config.append_options()),
+          {"new_k": "bfloat16", "new_v": "bfloat16", "k_mean": "float32"})]
+for plan, inputs in plans:
+    for launch in plan.launches:
+        compile_kernel(plan, launch, {**inputs, **{f: b.dtype for f, b in cache.items()}}, 90)
+        print(launch.kernel.fn.__name__)
+"""
+
+
+@pytest.mark.skipif(not TRITON_39, reason="compiling for sm_90 without a GPU needs triton >= 3.9 here")
+def test_decode_launches_compile_for_sm90_with_a_bf16_band():
+    """Without a GPU: a decode step's launches (Q's copies, the decode kernel, the
+    combine) and the append compile for H100/H200 with ``high="bf16"``, whose copies are
+    16-bit where the MX copies are bytes. Triton's compiler, unlike its interpreter,
+    builds code that follows a return inside a compile-time branch: such code would
+    reinterpret bf16 values as FP8 bytes and fail only on a GPU."""
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90, "bf16"], cwd=pathlib.Path(__file__).parents[1],
+                          env=compiler_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["_dual_quantize_kernel", "_dma_decode_kernel", "_decode_combine_kernel",
+                                   "_cache_append_kernel"]
