@@ -13,7 +13,7 @@ from dma_jax.formats import dequantize_token_e4m3, quantize_token_e4m3
 # (batch, prompt lengths, new rows, q_heads, kv_heads, head_dim, capacity, config, v_format, dtype):
 # one row per run of the kernel (sink, far, the mixed tile, band), rows crossing a
 # tile, a ring that has wrapped, MXFP4, FP8 V, all-high / all-low, no smoothing, and
-# sink and band keys in bf16.
+# sink and band keys in bf16 (with MXFP4 and FP8 V).
 CASES = [
     (1, (300,), 1, 4, 1, 64, 512, DMAConfig(), "input", jnp.bfloat16),
     (2, (700, 255), 3, 4, 2, 128, 1024, DMAConfig(diag_tiles=2), "input", jnp.bfloat16),
@@ -21,7 +21,7 @@ CASES = [
     (1, (1000,), 1, 2, 1, 64, 1100, DMAConfig.all_low(), "input", jnp.float16),
     (1, (1000,), 1, 2, 1, 64, 1100, DMAConfig.all_high(), "fp8", jnp.float16),
     (1, (900,), 2, 2, 1, 64, 1000, DMAConfig(smooth_k=False, rotate="none"), "fp8", jnp.float32),
-    (2, (300, 129), 2, 4, 2, 64, 512, DMAConfig(high="bf16"), "fp8", jnp.bfloat16),
+    (2, (300, 129), 2, 4, 2, 64, 512, DMAConfig(high="bf16", low="mxfp4"), "fp8", jnp.bfloat16),
 ]
 
 
