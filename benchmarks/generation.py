@@ -45,6 +45,7 @@ SPECS = {
     "dma": AttentionSpec.named("dma", decode="cudnn"),
     "dma+dma": AttentionSpec.named("dma", decode="dma"),
     "dma+dma-fp8v": AttentionSpec.named("dma", decode="dma", kv_cache="fp8"),
+    "dma+dma-bf16band": AttentionSpec.named("dma", decode="dma", decode_high="bf16"),
 }
 
 

@@ -353,6 +353,8 @@ def test_cli_help_and_one_line_errors(capsys, tmp_path):
                           (["--chunk", "0"], "--chunk must be >= 1; got 0"),
                           (["--kv-cache", "fp8"], "kv_cache='fp8' is the format of DMA decode's cache: it needs "
                                                   "decode='dma'"),
+                          (["--decode-high", "bf16"], "decode_high='bf16' is a format of DMA decode's cache"),
+                          (["--high", "bf16"], "argument --high: invalid choice: 'bf16'"),
                           (["--checkpoint", str(tmp_path / "nope.bin")], "neither a directory nor a .gguf file")):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
@@ -362,11 +364,12 @@ def test_cli_help_and_one_line_errors(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_decodes_with_dma_over_the_low_bit_cache(capsys):
+@pytest.mark.parametrize("decode_high", [[], ["--decode-high", "bf16"]], ids=["mxfp8-band", "bf16-band"])
+def test_cli_decodes_with_dma_over_the_low_bit_cache(capsys, decode_high):
     """The README's DMA-decode command answers the prompt with the cache in DMA's
-    formats (FP8 values too)."""
+    formats (FP8 values too), its sink and band keys in MXFP8 or in bf16."""
     main(["--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "10", "--attention", "exact",
-          "--decode-attention", "dma", "--kv-cache", "fp8"])
+          "--decode-attention", "dma", "--kv-cache", "fp8", *decode_high])
     out = capsys.readouterr().out
     assert "Paris" in out and "attention exact/dma" in out
 
