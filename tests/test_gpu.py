@@ -324,7 +324,8 @@ def test_fuzz_through_jax_and_torch(index):
 
 @pytest.mark.parametrize("case", decode_cases.CASES + [
     (2, (32768, 20000), 1, 32, 8, 128, 32768 + 64, DMAConfig(), "input", jnp.bfloat16)],
-    ids=lambda c: f"{c[0]}x{c[1]}+{c[2]}-{c[3]}:{c[4]}-d{c[5]}-{c[7].low}-{c[7].diag_tiles}-{c[8]}-{jnp.dtype(c[9]).name}")
+    ids=lambda c: (f"{c[0]}x{c[1]}+{c[2]}-{c[3]}:{c[4]}-d{c[5]}-{c[7].high}-{c[7].low}-{c[7].diag_tiles}-{c[8]}-"
+                   f"{jnp.dtype(c[9]).name}"))
 def test_decode_kernel_matches_full_sequence_reference(case):
     """The split-KV decode kernel through JAX equals reference_attention on each
     row's full sequence (with the cache's fixed smooth-K mean), rel-L2 <= 5e-3; the
