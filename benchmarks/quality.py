@@ -10,13 +10,15 @@ For each attention configuration the script reports the perplexity over the
 windows' next-token predictions and the top-1 agreement of those predictions
 with exact attention's; then, on ``--prompts`` fixed chat prompts, how many
 greedy answers match exact attention's first ``--new-tokens`` tokens, and where
-they diverge; then, on the first window, the attention-output error of DMA vs
+they diverge (decoding ``--chunk`` steps per device call, as the model's loop does: the
+cache's capacity, and so the summation order of a decode step, follows it); then, on
+the first window, the attention-output error of DMA vs
 exact per layer and head on the model's own Q/K/V. DMA runs the prefill (decode
 is exact), through the jnp reference on CPU and the Triton kernel on GPU.
 Prints tables and writes JSON and a PNG plot (perplexity vs the fraction of
 high-precision pairs).
 
-    python benchmarks/quality.py [--window 512] [--windows 4] [--full]
+    python benchmarks/quality.py [--window 512] [--windows 4] [--full] [--chunk 8]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from dma_jax import DMAConfig
 from dma_jax.metrics import error_metrics
 from dma_jax.reference import high_pair_fraction
 from triton_kernels.format_table import FORMATS
+from models.decoding import CHUNK
 from models.generate import agreement, chat_prompt, generate
 from models.llama import AttentionSpec, load_checkpoint
 from plotting import pyplot
@@ -184,9 +187,10 @@ def perplexity_table(model, tokenizer, window: int, count: int, names: list[str]
     return rows
 
 
-def greedy_agreement(model, tokenizer, prompts: list[str], new_tokens: int, names: list[str]) -> dict[str, dict]:
+def greedy_agreement(model, tokenizer, prompts: list[str], new_tokens: int, names: list[str],
+                     chunk: int = CHUNK) -> dict[str, dict]:
     """Greedy answers to chat prompts with each config of ``names`` (exact first),
-    against exact's."""
+    against exact's, decoding ``chunk`` steps per device call."""
     stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     encoded = [chat_prompt(tokenizer, p) for p in prompts]
     cache_len = max(len(ids) for ids in encoded) + new_tokens  # one decode shape per config
@@ -200,7 +204,7 @@ def greedy_agreement(model, tokenizer, prompts: list[str], new_tokens: int, name
         else:
             spec = AttentionSpec.named("dma", dma=CONFIGS[name])
         answers[name] = [list(generate(model, ids, spec=spec, max_new_tokens=new_tokens, stop_ids=stop,
-                                       cache_len=cache_len)) for ids in encoded]
+                                       cache_len=cache_len, chunk=chunk)) for ids in encoded]
     result = {}
     print(f"\ngreedy answers to {len(prompts)} chat prompts, first {new_tokens} tokens, vs exact attention")
     print("| attention | identical answers | token agreement | median first divergence |")
@@ -243,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full", action="store_true", help="16 x 512, 4 x 2048 and 2 x 4096 tokens")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"at most {len(PROMPTS)}")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--chunk", type=int, default=CHUNK, help="greedy answers: decode steps per device call")
     parser.add_argument("--configs", nargs="+", default=None, metavar="NAME",
                         help="the configs to measure (exact is always measured); default: all but the --rules table")
     parser.add_argument("--rules", action="store_true",
@@ -253,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not 1 <= args.prompts <= len(PROMPTS):
         parser.error(f"--prompts must be in [1, {len(PROMPTS)}]")
+    if args.chunk < 1:
+        parser.error(f"--chunk must be >= 1; got {args.chunk}")
     chosen = args.configs or (list(RULE_CONFIGS) if args.rules else
                               [n for n in CONFIGS if n not in RULE_CONFIGS] + list(DECODE_VARIANTS))
     unknown = [n for n in chosen if n not in CONFIGS and n not in DECODE_VARIANTS]
@@ -270,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     # Greedy answers: the headline configs, or with --rules every DMA default variant.
     greedy_names = [n for n in names if n == "exact" or n.startswith("DMA default ·")] if args.rules else [
         n for n in GREEDY if n in names or n in chosen and n in DECODE_VARIANTS]
-    greedy = greedy_agreement(model, tokenizer, PROMPTS[: args.prompts], args.new_tokens, greedy_names)
+    greedy = greedy_agreement(model, tokenizer, PROMPTS[: args.prompts], args.new_tokens, greedy_names, args.chunk)
 
     layer_configs = {"DMA default": DMAConfig(), "all NVFP4": DMAConfig.all_low(), "all MXFP8": DMAConfig.all_high()}
     first = windows(tokenizer, rows[0]["window"], 1)[0]
@@ -291,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
                    "text": "pydoc_data.topics, last 20% of topics by name",
                    "tokens_evaluated": sum(r["tokens_evaluated"] for r in rows if r["attention"] == "exact"),
                    "rows": rows, "greedy": {"prompts": PROMPTS[: args.prompts], "new_tokens": args.new_tokens,
+                                             "chunk": args.chunk,
                                              "results": greedy},
                    "per_layer": layers}, fh, indent=2)
     print(f"\nwrote {path}")

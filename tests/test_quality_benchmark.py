@@ -33,10 +33,11 @@ QUICK = ["DMA default (diag 1, sink 1)"]
 ])
 def test_quality_benchmark_tiny(tmp_path, capsys, configs):
     quality = load("quality")
-    quality.main(["--window", "40", "--windows", "1", "--prompts", "2", "--new-tokens", "3",
+    chunk = 1 if configs else quality.CHUNK
+    quality.main(["--window", "40", "--windows", "1", "--prompts", "2", "--new-tokens", "3", "--chunk", str(chunk),
                   "--out", str(tmp_path)] + (["--configs", *configs] if configs else []))
     report = json.loads((tmp_path / "quality_cpu_w40.json").read_text())
-    assert report["tokens_evaluated"] == 39
+    assert report["tokens_evaluated"] == 39 and report["greedy"]["chunk"] == chunk
     rows = {r["attention"]: r for r in report["rows"]}
     assert list(rows) == (["exact", *configs] if configs else
                           [n for n in quality.CONFIGS if n not in quality.RULE_CONFIGS])
@@ -112,6 +113,9 @@ def test_quality_benchmark_rejects_unknown_configs(capsys):
     with pytest.raises(SystemExit):
         load("quality").main(["--configs", "no such config"])
     assert "unknown --configs ['no such config']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load("quality").main(["--chunk", "0"])
+    assert "--chunk must be >= 1; got 0" in capsys.readouterr().err
 
 
 def test_passkey_needle_is_found_only_when_the_key_matches():
