@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .geometry import TILE
-from .mx import BF16_EXP_BITS, e4m3_value, element_value, pow2, round_to_bf16
+from .mx import BF16_EXP_BITS, e4m3_value, element_value, pow2, to_bf16
 
 _TILE = tl.constexpr(TILE)
 
@@ -245,7 +245,7 @@ def _decode_run(
     acc, m_i, l_i, query, cache, where, start, stop,
     MODE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HI_E: tl.constexpr, LO_BLOCK: tl.constexpr,
     LO_NV: tl.constexpr, V_FP8: tl.constexpr, V_LIFT: tl.constexpr, P_DTYPE: tl.constexpr,
-    PV_F32: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr, FIX_BF16: tl.constexpr,
+    PV_F32: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """Online base-2 softmax over keys [start, stop) (``start`` a multiple of BLOCK_N,
     which divides TILE) in one MODE: low copies, high copies, or both with the format
@@ -296,9 +296,7 @@ def _decode_run(
         # P is rounded to the input dtype before P·V, as in the prefill kernel and the
         # reference; the row sum above uses the unrounded P.
         if P_DTYPE == "bfloat16":
-            if FIX_BF16:
-                p = round_to_bf16(p)
-            p = p.to(tl.bfloat16)
+            p = to_bf16(p, HW_CVT)
         elif P_DTYPE == "float16":
             p = p.to(tl.float16)
         if V_FP8:
@@ -340,7 +338,6 @@ def _dma_decode_kernel(
     HI_E: tl.constexpr, LO_BLOCK: tl.constexpr, LO_NV: tl.constexpr,
     HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, MIXED: tl.constexpr, V_FP8: tl.constexpr, V_LIFT: tl.constexpr,
     P_DTYPE: tl.constexpr, PV_F32: tl.constexpr, HW_CVT: tl.constexpr, DOT_F32: tl.constexpr,
-    FIX_BF16: tl.constexpr,
 ):
     split = tl.program_id(0)
     hkv = tl.program_id(1)
@@ -406,22 +403,22 @@ def _dma_decode_kernel(
     if HAS_HI and HAS_LO:
         acc, m_i, l_i = _decode_run(
             acc, m_i, l_i, query, cache, where, lo, tl.minimum(sink_end, hi),
-            _HIGH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
+            _HIGH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32)
         acc, m_i, l_i = _decode_run(
             acc, m_i, l_i, query, cache, where, tl.maximum(sink_end, lo), tl.minimum(both_start, hi),
-            _LOW, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
+            _LOW, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32)
         if MIXED:
             acc, m_i, l_i = _decode_run(
                 acc, m_i, l_i, query, cache, where, tl.maximum(both_start, lo), tl.minimum(band_start, hi),
-                _BOTH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
+                _BOTH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32)
         acc, m_i, l_i = _decode_run(
             acc, m_i, l_i, query, cache, where, tl.maximum(band_start, lo), hi,
-            _HIGH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32, FIX_BF16)
+            _HIGH, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT, DOT_F32)
     else:
         acc, m_i, l_i = _decode_run(
             acc, m_i, l_i, query, cache, where, lo, hi,
             _HIGH if HAS_HI else _LOW, D, BLOCK_N, HI_E, LO_BLOCK, LO_NV, V_FP8, V_LIFT, P_DTYPE, PV_F32, HW_CVT,
-            DOT_F32, FIX_BF16)
+            DOT_F32)
     out = ((b * HKV + hkv) * n_split + split).to(tl.int64) * BLOCK_M + m_rows
     cols = tl.arange(0, D)
     tl.store(o_acc + out[:, None] * D + cols[None, :], acc)

@@ -426,7 +426,7 @@ def decode_plan(q: Buffer, cache: dict[str, Buffer], target: Target, *, sink_len
               V_LIFT=v_fp8 and q.dtype == "bfloat16" and launch.lift_values, P_DTYPE=q.dtype,
               # fp32 P·V for fp32 inputs, and for fp16 with E4M3 V (not always an fp16 value).
               PV_F32=q.dtype == "float32" or (v_fp8 and q.dtype != "bfloat16") or target.interpret,
-              HW_CVT=not target.interpret, DOT_F32=target.interpret, FIX_BF16=target.interpret),
+              HW_CVT=not target.interpret, DOT_F32=target.interpret),
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     combine = Launch(dec._decode_combine_kernel, (kv_heads, b, 1),
                      ("acc", "row_max", "row_sum", _i32(n_q), _i32(hq), _i32(kv_heads), _i32(n_split)),
